@@ -1,0 +1,411 @@
+"""The typed GRPO configuration: frozen pydantic models, one per section.
+
+Key names follow NeMo RL's `grpo_math_1B.yaml` where the concept is the same. Defaults live
+here and nowhere else; components receive their own section, never the root. No torch import.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+# ---------------------------------------------------------------------------------- grpo
+class RewardShapingConfig(Section):
+    enabled: bool = False
+    """DAPO overlong shaping: penalise responses longer than max_response_length - buffer."""
+    overlong_buffer_length: int = Field(128, ge=1)
+    """Tokens before max_response_length where the linear penalty starts."""
+    overlong_buffer_penalty: float = Field(1.0, ge=0)
+    """Penalty reached at max_response_length."""
+    max_response_length: int = Field(512, ge=1)
+    """Length the penalty is measured against (usually policy.generation.max_new_tokens)."""
+    stop_properly_penalty_coef: float | None = None
+    """If set, rewards of truncated responses are multiplied by this coefficient."""
+
+
+class RewardScalingConfig(Section):
+    enabled: bool = False
+    """Linearly map clamp(r, source_min, source_max) onto [target_min, target_max]."""
+    source_min: float = 0.0
+    source_max: float = 1.0
+    target_min: float = 0.0
+    target_max: float = 1.0
+
+    @model_validator(mode="after")
+    def _range(self) -> RewardScalingConfig:
+        if self.enabled and self.source_max <= self.source_min:
+            raise ValueError(f"source_max ({self.source_max}) must be greater than source_min ({self.source_min})")
+        return self
+
+
+class AsyncGRPOConfig(Section):
+    enabled: bool = False
+    """Generate ahead of training into a replay buffer (requires importance-sampling correction)."""
+    max_trajectory_age_steps: int = Field(1, ge=0)
+    """Train at weight version v only on groups generated at versions >= v - this."""
+    in_flight_weight_updates: bool = False
+    """Requests still decoding continue under the new weights after a refit."""
+    recompute_kv_cache_after_weight_updates: bool = False
+    """Reset the KV/prefix cache after each refit."""
+
+
+class RefitCheckConfig(Section):
+    enabled: bool = True
+    """After each weight push, score a probe batch in trainer and generator and compare."""
+    num_probe_sequences: int = Field(4, ge=1)
+    """Sequences in the probe batch (taken from the first rollout)."""
+    max_abs_logprob_diff: float = Field(1e-3, gt=0)
+    """Stop the run when the max |trainer - generator| logprob difference exceeds this."""
+    period: int = Field(1, ge=1)
+    """Check every this many refits."""
+
+
+class GRPOConfig(Section):
+    num_prompts_per_step: int = Field(32, ge=1)
+    """Prompts drawn per GRPO step."""
+    num_generations_per_prompt: int = Field(16, ge=1)
+    """Samples per prompt: the group size of the group-relative baseline."""
+    max_rollout_turns: int = Field(1, ge=1)
+    """Turns of generation/environment interaction per sample (multi-turn when > 1)."""
+    max_num_epochs: int = Field(1, ge=1)
+    """Passes over the training data."""
+    max_num_steps: int = Field(1_000_000, ge=1)
+    """GRPO steps; training stops at whichever of epochs and steps comes first."""
+    normalize_rewards: bool = True
+    """Divide advantages by the group's std (+1e-6) where it is positive."""
+    use_leave_one_out_baseline: bool = True
+    """RLOO: baseline and std of the other N-1 samples of the group."""
+    advantage_clip_low: float | None = None
+    """Optional lower clamp of advantages."""
+    advantage_clip_high: float | None = None
+    """Optional upper clamp of advantages."""
+    overlong_filtering: bool = False
+    """Truncated samples get sample_mask 0 (no gradient)."""
+    use_dynamic_sampling: bool = False
+    """DAPO: drop zero-spread groups and sample more prompts until the batch has signal."""
+    dynamic_sampling_max_gen_batches: int = Field(10, ge=1)
+    """Most generation rounds per step with dynamic sampling."""
+    batch_multiplier: int = Field(1, ge=1)
+    """Prompts drawn per round with dynamic sampling = batch_multiplier * num_prompts_per_step."""
+    val_period: int = Field(10, ge=0)
+    """Validate every this many steps (0: never, except val_at_start/val_at_end)."""
+    val_at_start: bool = False
+    """Validate before the first step."""
+    val_at_end: bool = True
+    """Validate after the last step."""
+    max_val_samples: int = Field(256, ge=1)
+    """Validation prompts used."""
+    val_batch_size: int = Field(256, ge=1)
+    """Validation prompts per generation call."""
+    val_num_generations: int = Field(1, ge=1)
+    """Samples per validation prompt for pass@k (sampled at the training temperature when > 1)."""
+    seed: int = 42
+    """Seed of data order, sampling and initialisation."""
+    reward_shaping: RewardShapingConfig = RewardShapingConfig()
+    reward_scaling: RewardScalingConfig = RewardScalingConfig()
+    async_grpo: AsyncGRPOConfig = AsyncGRPOConfig()
+    refit_check: RefitCheckConfig = RefitCheckConfig()
+
+    @model_validator(mode="after")
+    def _clips(self) -> GRPOConfig:
+        lo, hi = self.advantage_clip_low, self.advantage_clip_high
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(f"advantage_clip_low ({lo}) must not exceed advantage_clip_high ({hi})")
+        return self
+
+
+# ------------------------------------------------------------------------------- loss_fn
+class LossConfig(Section):
+    reference_policy_kl_penalty: float = Field(0.01, ge=0)
+    """beta of the KL to the reference policy; 0 skips the reference entirely."""
+    reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator."""
+    kl_input_clamp_value: float | None = Field(20.0, gt=0)
+    """Clamp of ref - curr before the estimator."""
+    kl_output_clamp_value: float | None = Field(10.0, gt=0)
+    """Clamp of the per-token KL."""
+    ratio_clip_min: float = Field(0.2, ge=0)
+    """Lower clip: ratio >= 1 - ratio_clip_min."""
+    ratio_clip_max: float = Field(0.2, ge=0)
+    """Upper clip: ratio <= 1 + ratio_clip_max (DAPO clip-higher when larger than min)."""
+    ratio_clip_c: float | None = None
+    """Dual clip constant c > 1 for negative advantages (null: off)."""
+    use_on_policy_kl_approximation: bool = False
+    """Weight the KL by exp(curr - gen)."""
+    use_importance_sampling_correction: bool = False
+    """Weight tokens by exp(prev - gen) to correct the trainer/generator mismatch."""
+    truncated_importance_sampling_type: Literal["tis", "icepop", "seq-mask-tis"] | None = None
+    """How importance weights outside [min, max] are treated."""
+    truncated_importance_sampling_ratio: float | None = Field(None, gt=0)
+    """Upper bound of the importance weight."""
+    truncated_importance_sampling_ratio_min: float | None = Field(None, ge=0)
+    """Lower bound of the importance weight (icepop / seq-mask-tis)."""
+    token_level_loss: bool = True
+    """Mean over all valid tokens of the global batch (false: mean of per-sequence means)."""
+    sequence_level_importance_ratios: bool = False
+    """GSPO: one ratio per sequence (requires token_level_loss: false)."""
+    disable_ppo_ratio: bool = False
+    """REINFORCE: use curr in place of the ratio."""
+
+    @model_validator(mode="after")
+    def _combinations(self) -> LossConfig:
+        if self.sequence_level_importance_ratios and self.token_level_loss:
+            raise ValueError("sequence_level_importance_ratios (GSPO) requires token_level_loss: false")
+        if self.truncated_importance_sampling_type and not self.use_importance_sampling_correction:
+            raise ValueError("truncated_importance_sampling_type requires use_importance_sampling_correction: true")
+        if self.truncated_importance_sampling_type and self.truncated_importance_sampling_ratio is None:
+            raise ValueError("truncated_importance_sampling_type requires truncated_importance_sampling_ratio")
+        if self.ratio_clip_c is not None and self.ratio_clip_c <= 1:
+            raise ValueError(f"ratio_clip_c must be > 1 (dual clip), got {self.ratio_clip_c}")
+        return self
+
+
+# -------------------------------------------------------------------------------- policy
+class TokenizerConfig(Section):
+    name: str | None = None
+    """Tokenizer path or hub name; null: the model's."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra keyword arguments to apply_chat_template."""
+
+
+class DTensorConfig(Section):
+    enabled: bool = True
+    """FSDP2 data parallelism on GPUs (gloo data parallelism on CPU)."""
+    cpu_offload: bool = False
+    sequence_parallel: bool = False
+    activation_checkpointing: bool = False
+    tensor_parallel_size: int = Field(1, ge=1)
+    context_parallel_size: int = Field(1, ge=1)
+    custom_parallel_plan: str | None = None
+
+
+class MicroBatchingConfig(Section):
+    enabled: bool = False
+    train_mb_tokens: int = Field(2048, ge=1)
+    """Token budget of a training micro-batch."""
+    logprob_mb_tokens: int = Field(2048, ge=1)
+    """Token budget of a logprob micro-batch."""
+    sequence_length_round: int = Field(64, ge=1)
+    """Pad micro-batch lengths to a multiple of this."""
+
+
+class SequencePackingConfig(MicroBatchingConfig):
+    algorithm: Literal["modified_first_fit_decreasing", "first_fit_decreasing", "best_fit_decreasing"] = "modified_first_fit_decreasing"
+    """Bin-packing algorithm (grpo_kernels.packing)."""
+
+
+class OptimizerConfig(Section):
+    name: str = "torch.optim.AdamW"
+    """Import path of the optimizer class."""
+    kwargs: dict[str, Any] = {"lr": 5e-6, "weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1e-8}
+    """Keyword arguments of the optimizer."""
+
+
+class SchedulerEntry(Section):
+    name: str | None = None
+    """Import path of an LR scheduler class (entries chained with SequentialLR)."""
+    kwargs: dict[str, Any] = {}
+    milestones: list[int] | None = None
+    """Only on the last entry: steps where SequentialLR switches schedulers."""
+
+
+class VllmConfig(Section):
+    async_engine: bool = False
+    precision: str = "float32"
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    expert_parallel_size: int = Field(1, ge=1)
+    gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
+    max_model_len: int = Field(512, ge=8)
+    enforce_eager: bool = False
+    kv_cache_space_gb: float = Field(1.0, gt=0)
+    """KV cache size on CPU machines (VLLM_CPU_KVCACHE_SPACE)."""
+
+
+class ColocatedResources(Section):
+    gpus_per_node: int | None = None
+    num_nodes: int | None = None
+
+
+class ColocatedConfig(Section):
+    enabled: bool = True
+    """Generation and training share devices (vLLM sleeps during training on GPUs)."""
+    resources: ColocatedResources = ColocatedResources()
+
+
+class GenerationConfig(Section):
+    backend: Literal["vllm", "hf"] = "vllm"
+    """vllm (vllm-cpu on CPU machines) or plain HF generate."""
+    max_new_tokens: int = Field(512, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature; training logits are divided by it too."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int | None = None
+    stop_token_ids: list[int] | None = None
+    stop_strings: list[str] | None = None
+    vllm_cfg: VllmConfig = VllmConfig()
+    colocated: ColocatedConfig = ColocatedConfig()
+
+
+class PolicyConfig(Section):
+    model_name: str = "Qwen/Qwen2.5-1.5B"
+    """HF hub name, local path, or `builtin:<name>` for a model bundled with grpo."""
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    train_global_batch_size: int = Field(512, ge=1)
+    """Samples per optimizer step."""
+    train_micro_batch_size: int = Field(4, ge=1)
+    """Samples per forward/backward."""
+    generation_batch_size: int = Field(32, ge=1)
+    logprob_batch_size: int = Field(4, ge=1)
+    """Samples per forward when computing prev/ref logprobs."""
+    max_total_sequence_length: int = Field(512, ge=8)
+    precision: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    logprob_chunk_size: int | None = None
+    """Rows per chunk in the logprob op (bounded memory); null: the op's default."""
+    use_fused_kernels: bool = True
+    """Use grpo_kernels' dispatch (Triton/CUDA where supported, reference otherwise)."""
+    num_workers: int = Field(1, ge=1)
+    """Data-parallel policy workers (Ray actors)."""
+    dtensor_cfg: DTensorConfig = DTensorConfig()
+    dynamic_batching: MicroBatchingConfig = MicroBatchingConfig()
+    sequence_packing: SequencePackingConfig = SequencePackingConfig()
+    make_sequence_length_divisible_by: int = Field(1, ge=1)
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    optimizer: OptimizerConfig = OptimizerConfig()
+    scheduler: list[SchedulerEntry] = []
+    generation: GenerationConfig = GenerationConfig()
+
+    @model_validator(mode="after")
+    def _batching(self) -> PolicyConfig:
+        if self.dynamic_batching.enabled and self.sequence_packing.enabled:
+            raise ValueError("dynamic_batching and sequence_packing are mutually exclusive: enable at most one")
+        if self.train_global_batch_size % self.train_micro_batch_size:
+            raise ValueError(
+                f"train_global_batch_size ({self.train_global_batch_size}) must be a multiple of "
+                f"train_micro_batch_size ({self.train_micro_batch_size})"
+            )
+        return self
+
+
+# ---------------------------------------------------------------------------------- data
+class DatasetConfig(Section):
+    dataset_name: str = "arithmetic"
+    """Built-in name (arithmetic, OpenMathInstruct-2, DeepScaler, DAPO-Math-17k, AIME2024, GSM8K, MATH-500) or ResponseDataset."""
+    data_path: str | None = None
+    """Local JSONL/Parquet file or folder (overrides the hub location)."""
+    input_key: str | None = None
+    output_key: str | None = None
+    subset: str | None = None
+    split: str | None = None
+    split_validation_size: float | int | None = None
+    processor: str | None = None
+    """Processor name or `module:function`."""
+    prompt_file: str | None = None
+    system_prompt_file: str | None = None
+    env_name: str | None = None
+    """Environment that scores this dataset (a key of `env`)."""
+    repeat: int | None = None
+    seed: int | None = None
+    size: int | None = None
+    """Synthetic datasets: number of rows."""
+    digits: int | None = None
+    operations: list[str] | None = None
+
+
+class DataConfig(Section):
+    max_input_seq_length: int = Field(512, ge=1)
+    """Longer prompts are truncated and get loss_multiplier 0 (counted)."""
+    shuffle: bool = True
+    num_workers: int = Field(0, ge=0)
+    """DataLoader worker processes."""
+    default: DatasetConfig = DatasetConfig()
+    """Defaults filled into every dataset entry."""
+    train: DatasetConfig | list[DatasetConfig] = DatasetConfig()
+    validation: DatasetConfig | list[DatasetConfig] | None = None
+    use_multiple_dataloader: bool = False
+    num_prompts_per_dataloader: int | None = None
+    custom_dataloader: str | None = None
+    """`module:function` sampling function over several dataloaders."""
+
+
+# ----------------------------------------------------------------------- env, logger, ...
+class EnvConfig(Section):
+    model_config = ConfigDict(extra="allow", frozen=True)
+    num_workers: int = Field(1, ge=1)
+    """Ray actors running this environment."""
+
+
+class WandbConfig(Section):
+    project: str = "grpo"
+    name: str | None = None
+    """Run name; null: derived from the run folder."""
+
+
+class LoggerConfig(Section):
+    log_dir: str = "runs"
+    """Parent folder of run folders (logs, plots, checkpoints)."""
+    console_enabled: bool = True
+    """Progress bar and one compact line per step."""
+    wandb_enabled: bool = False
+    """wandb (offline mode when there is no network)."""
+    tensorboard_enabled: bool = False
+    plot_enabled: bool = True
+    """Write a PNG of reward, accuracy and KL at the end of the run."""
+    num_val_samples_to_print: int = Field(0, ge=0)
+    wandb: WandbConfig = WandbConfig()
+    tensorboard: dict[str, Any] = {}
+
+
+class ClusterConfig(Section):
+    gpus_per_node: int = Field(0, ge=0)
+    """GPUs per node (0 on CPU machines)."""
+    num_nodes: int = Field(1, ge=1)
+    address: str | None = None
+    """Ray cluster address; null: RAY_ADDRESS or a local Ray."""
+    num_cpus: int | None = None
+    """CPUs the local Ray may use; null: all."""
+
+
+class CheckpointingConfig(Section):
+    enabled: bool = True
+    checkpoint_dir: str | None = None
+    """Folder of step_N checkpoints; null: <run folder>/checkpoints."""
+    metric_name: str | None = "val_accuracy"
+    higher_is_better: bool = True
+    keep_top_k: int | None = Field(3, ge=1)
+    save_period: int = Field(10, ge=1)
+    checkpoint_must_save_by: str | None = None
+
+
+class GRPOMasterConfig(Section):
+    grpo: GRPOConfig = GRPOConfig()
+    loss_fn: LossConfig = LossConfig()
+    policy: PolicyConfig = PolicyConfig()
+    data: DataConfig = DataConfig()
+    env: dict[str, EnvConfig] = {"math": EnvConfig()}
+    logger: LoggerConfig = LoggerConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    checkpointing: CheckpointingConfig = CheckpointingConfig()
+
+    @model_validator(mode="after")
+    def _cross_section(self) -> GRPOMasterConfig:
+        samples = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
+        if samples % self.policy.train_global_batch_size:
+            raise ValueError(
+                f"grpo.num_prompts_per_step * grpo.num_generations_per_prompt ({samples}) must be a multiple of "
+                f"policy.train_global_batch_size ({self.policy.train_global_batch_size})"
+            )
+        if self.grpo.async_grpo.enabled:
+            if not self.loss_fn.use_importance_sampling_correction:
+                raise ValueError("grpo.async_grpo requires loss_fn.use_importance_sampling_correction: true")
+            if self.grpo.use_dynamic_sampling:
+                raise ValueError("grpo.async_grpo does not support grpo.use_dynamic_sampling")
+            if self.policy.generation.colocated.enabled and self.cluster.gpus_per_node > 0:
+                raise ValueError("grpo.async_grpo needs policy.generation.colocated.enabled: false on GPUs")
+        return self
