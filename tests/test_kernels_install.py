@@ -39,7 +39,7 @@ def test_kernels_wheel_installs_alone_with_pip(tmp_path):
     code = (
         "import grpo_kernels, grpo_kernels._C as C, numpy as np;"
         "bins = C.pack_first_fit_decreasing(np.array([5, 3, 4, 2], dtype=np.int64), 8);"
-        "print(list(bins))"
+        "print(bins.tolist())"
     )
     out = run([str(py), "-c", code], cwd=tmp_path)
     assert out.stdout.strip() == "[0, 0, 1, 1]"
