@@ -1,0 +1,84 @@
+"""A generation backend inside a Ray actor.
+
+Job: build one `Generator` ("vllm" or "hf") in its own Ray worker process and expose the
+protocol's methods for `.remote()` calls, so generation scales out like every other role.
+Boundary: no placement logic (the caller passes Ray options), no knowledge of what is generated.
+
+The vLLM engine core must run inside the actor's process so that weight tensors reach the
+model worker as plain objects: `VLLM_ENABLE_V1_MULTIPROCESSING=0` is set both in the actor's
+runtime_env (before the worker process starts) and again in `__init__` before vLLM is imported.
+"""
+
+from __future__ import annotations
+
+import os
+from importlib import import_module
+from typing import Any
+
+BACKENDS = {
+    "vllm": "grpo_train.generation.vllm_backend:VllmGenerator",
+    "hf": "grpo_train.generation.hf_backend:HFGenerator",
+}
+ACTOR_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def resolve_backend(backend: str) -> type:
+    """The generator class registered under `backend`."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown generation backend {backend!r}; expected one of {sorted(BACKENDS)}")
+    module_name, class_name = BACKENDS[backend].split(":")
+    return getattr(import_module(module_name), class_name)
+
+
+class GenerationActor:
+    """Holds one generator; every method forwards to it (see `Generator`)."""
+
+    def __init__(self, backend: str, model_path: str, **kwargs: Any) -> None:
+        os.environ.update(ACTOR_ENV)
+        self.generator = resolve_backend(backend)(model_path, **kwargs)
+
+    def ready(self) -> float:
+        """Seconds the generator took to start; call it to wait for the actor."""
+        return float(getattr(self.generator, "start_seconds", 0.0))
+
+    def generate(self, prompts, sampling):
+        return self.generator.generate(prompts, sampling)
+
+    def update_weights(self, named_tensors, version: int) -> float:
+        return self.generator.update_weights(named_tensors, version)
+
+    def score(self, sequences, prompt_lens):
+        return self.generator.score(sequences, prompt_lens)
+
+    def weight_version(self) -> int:
+        return self.generator.weight_version()
+
+    def num_truncated_prompts(self) -> int:
+        return int(getattr(self.generator, "num_truncated_prompts", 0))
+
+    def shutdown(self) -> None:
+        self.generator.shutdown()
+
+
+def make_generation_actor(
+    backend: str,
+    model_path: str,
+    num_cpus: float = 1,
+    *,
+    num_gpus: float = 0,
+    actor_options: dict[str, Any] | None = None,
+    **kwargs: Any,
+):
+    """Start a `GenerationActor` and return its handle; `kwargs` go to the generator's
+    constructor, `actor_options` (e.g. a placement-group scheduling strategy) to Ray.
+    Call `handle.ready.remote()` to wait until the engine is up."""
+    import ray
+
+    resolve_backend(backend)  # fail here, not inside the actor, on a bad name
+    options = dict(actor_options or {})
+    runtime_env = dict(options.pop("runtime_env", None) or {})
+    runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **ACTOR_ENV}
+    remote_cls = ray.remote(GenerationActor)
+    return remote_cls.options(
+        num_cpus=num_cpus, num_gpus=num_gpus, runtime_env=runtime_env, **options
+    ).remote(backend, model_path, **kwargs)
