@@ -1,0 +1,89 @@
+"""The training batch: rollouts laid out as right-padded [B, S] tensors.
+
+Token t of a row holds log p(x_t | x_<t); position 0 has no logprob. `token_mask` marks the
+response tokens (the ones trained on). Rows are prompt-major (prompt p's N samples together).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Rollout:
+    """One (prompt, sample) pair after generation and scoring."""
+
+    prompt_index: int  # position of the prompt in this step's prompt list
+    prompt_ids: list[int]
+    response_ids: list[int]
+    gen_logprobs: list[float]  # sampling logprob per response token
+    text: str
+    truncated: bool  # generation stopped at the length limit
+    reward: float = 0.0
+    loss_multiplier: float = 1.0  # 0 for prompts that were truncated by the processor
+    task_name: str = ""
+    env_metadata: dict = field(default_factory=dict)
+
+
+# Keys of the tensor dict shipped to policy workers, with their shapes.
+BATCH_KEYS = {
+    "input_ids": "[B, S] int64, right-padded",
+    "attention_mask": "[B, S] int64",
+    "token_mask": "[B, S] fp32, 1 on response tokens",
+    "gen_logprobs": "[B, S] fp32, generator's sampling logprobs on response tokens",
+    "advantages": "[B, S] fp32, per-sample advantage broadcast to response tokens",
+    "sample_mask": "[B] fp32",
+}
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def build_train_batch(rollouts: list[Rollout], advantages: torch.Tensor, sample_mask: torch.Tensor, pad_id: int,
+                      divisible_by: int = 1) -> dict[str, torch.Tensor]:
+    """Lay rollouts out as [B, S] tensors (S = longest prompt+response, rounded up)."""
+    lengths = [len(r.prompt_ids) + len(r.response_ids) for r in rollouts]
+    B, S = len(rollouts), round_up(max(lengths), divisible_by)
+    input_ids = torch.full((B, S), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, S), dtype=torch.long)
+    token_mask = torch.zeros((B, S), dtype=torch.float32)
+    gen_logprobs = torch.zeros((B, S), dtype=torch.float32)
+    for i, r in enumerate(rollouts):
+        p, n = len(r.prompt_ids), len(r.response_ids)
+        input_ids[i, : p + n] = torch.tensor(r.prompt_ids + r.response_ids, dtype=torch.long)
+        attention_mask[i, : p + n] = 1
+        token_mask[i, p : p + n] = 1.0
+        gen_logprobs[i, p : p + n] = torch.tensor(r.gen_logprobs, dtype=torch.float32)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "token_mask": token_mask,
+        "gen_logprobs": gen_logprobs,
+        "advantages": advantages.float().view(B, 1) * token_mask,
+        "sample_mask": sample_mask.float(),
+    }
+
+
+def batch_size(batch: dict[str, torch.Tensor]) -> int:
+    return batch["input_ids"].shape[0]
+
+
+def select_rows(batch: dict[str, torch.Tensor], rows: slice | torch.Tensor) -> dict[str, torch.Tensor]:
+    """Rows of every per-sample tensor, trimmed to the longest remaining sequence."""
+    out = {k: v[rows] for k, v in batch.items()}
+    width = int(out["attention_mask"].sum(dim=1).max().item()) if out["attention_mask"].numel() else 1
+    return {k: (v[:, : max(width, 2)] if v.dim() == 2 else v) for k, v in out.items()}
+
+
+def split_rows(n: int, parts: int) -> list[slice]:
+    """Contiguous row ranges of (nearly) equal size."""
+    base, extra = divmod(n, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append(slice(start, end))
+        start = end
+    return bounds

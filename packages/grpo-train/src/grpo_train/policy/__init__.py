@@ -1,0 +1,1 @@
+"""The policy: HF causal LM workers (Ray actors) that score and train on batches."""

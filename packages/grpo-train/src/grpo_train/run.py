@@ -1,0 +1,128 @@
+"""Entry points behind `grpo train` and `grpo eval`: run folder, Ray, components, the loop.
+
+Returns process exit codes: 0 done, 1 the run stopped on a training problem (non-finite loss,
+refit mismatch: the last checkpoint stays intact), 2 a startup problem a person must fix.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from grpo_train.config.schema import GRPOMasterConfig
+from grpo_train.setup import StartupError
+
+EXIT_OK, EXIT_RUN_STOPPED, EXIT_STARTUP = 0, 1, 2
+
+
+def say(message: str) -> None:
+    print(f"grpo: {message}", file=sys.stderr, flush=True)
+
+
+def prepare_run_dir(run_dir: Path, raw: dict) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    saved = run_dir / "config.yaml"
+    if saved.exists():
+        previous = yaml.safe_load(saved.read_text())
+        if previous != raw:
+            say(f"note: {saved} differs from this run's config; resuming with the new one")
+    saved.write_text(yaml.safe_dump(raw, sort_keys=False))
+
+
+def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None = None) -> int:
+    from grpo_train import weight_sync
+    from grpo_train.checkpoint import CheckpointManager
+    from grpo_train.loggers import MetricsLogger
+    from grpo_train.policy.worker import NonFiniteLossError
+    from grpo_train.run_state import TrainerState, restore_checkpoint
+    from grpo_train.setup import actor_env_vars, build_components, init_ray, resolve_model_path
+    from grpo_train.sync_loop import total_steps, train_sync
+
+    started = time.perf_counter()
+    run_path = Path(run_dir or Path(cfg.logger.log_dir) / run_name).resolve()
+    try:
+        model_path = resolve_model_path(cfg.policy.model_name)
+    except StartupError as exc:
+        say(str(exc))
+        return EXIT_STARTUP
+    prepare_run_dir(run_path, raw)
+    ckpt_root = Path(cfg.checkpointing.checkpoint_dir or run_path / "checkpoints")
+    checkpoints = CheckpointManager(ckpt_root, cfg.checkpointing.keep_top_k, cfg.checkpointing.metric_name,
+                                    cfg.checkpointing.higher_is_better) if cfg.checkpointing.enabled else None
+    say(f"run folder {run_path}")
+    init_ray(cfg.cluster, actor_env_vars())
+    parts = None
+    logger = None
+    try:
+        try:
+            parts = build_components(cfg, model_path)
+        except StartupError as exc:
+            say(str(exc))
+            return EXIT_STARTUP
+        state = TrainerState()
+        latest = checkpoints.latest() if checkpoints else None
+        if latest is not None:
+            state = restore_checkpoint(latest, parts)
+            from grpo_train.train_step import push_weights
+
+            push_weights(parts.policy, parts.generator, state.weight_version)
+            say(f"resumed from {latest} (step {state.step})")
+        last = total_steps(cfg, parts.train_data.batches_per_epoch)
+        if state.step >= last:
+            say(f"this run already finished {state.step} steps; pass --run-dir to start a new run")
+            return EXIT_OK
+        logger = MetricsLogger(cfg.logger, run_path, run_name, raw, total_steps=last, start_step=state.step)
+        try:
+            state = train_sync(cfg, parts, logger, checkpoints, state)
+        except (NonFiniteLossError, weight_sync.RefitMismatchError) as exc:
+            say(f"run stopped at step {state.step + 1}: {exc}")
+            return EXIT_RUN_STOPPED
+        logger.close()
+        logger = None
+        say(f"finished {state.step} steps in {time.perf_counter() - started:.0f} s")
+        if cfg.logger.plot_enabled:
+            from grpo_train.plotting import plot_run
+
+            say(f"plot:        {plot_run(run_path)}")
+        say(f"metrics:     {run_path / 'metrics.jsonl'}")
+        if checkpoints is not None and checkpoints.latest() is not None:
+            say(f"checkpoints: {ckpt_root}")
+        if cfg.logger.tensorboard_enabled:
+            say(f"tensorboard: {run_path / 'tensorboard'}")
+        if cfg.logger.wandb_enabled:
+            say(f"wandb:       {run_path / 'wandb'}")
+        return EXIT_OK
+    finally:
+        if logger is not None:
+            logger.close()
+        if parts is not None:
+            parts.shutdown()
+
+
+def evaluate(cfg: GRPOMasterConfig, raw: dict, checkpoint: str | None = None) -> int:
+    """Validation metrics of the config's model (or a checkpoint's policy) on its validation set."""
+    import json
+
+    from grpo_train.setup import actor_env_vars, build_components, init_ray, resolve_model_path
+    from grpo_train.sync_loop import sampling_spec
+    from grpo_train.validation import validate
+
+    try:
+        model_path = str(Path(checkpoint) / "policy" / "model") if checkpoint else resolve_model_path(cfg.policy.model_name)
+        if checkpoint and not Path(model_path).is_dir():
+            raise StartupError(f"--checkpoint: {checkpoint} has no policy/model folder")
+        init_ray(cfg.cluster, actor_env_vars())
+        parts = build_components(cfg, model_path)
+    except StartupError as exc:
+        say(str(exc))
+        return EXIT_STARTUP
+    try:
+        metrics, _ = validate(parts.generator, parts.envs, parts.val_datums, sampling_spec(cfg),
+                              cfg.grpo.val_num_generations, cfg.grpo.val_batch_size)
+        print(json.dumps(metrics, indent=2))
+        return EXIT_OK
+    finally:
+        parts.shutdown()

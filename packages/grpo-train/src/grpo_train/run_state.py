@@ -1,0 +1,50 @@
+"""What a run must save to resume exactly, and how it is saved and restored.
+
+A checkpoint folder holds the policy (weights, optimizer, scheduler, its torch RNG), the
+dataloader position, the driver's RNG states and `trainer_state.json`. The generator's
+weights are not saved: they are the policy's, pushed again on resume.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import ray
+import torch
+
+
+@dataclass
+class TrainerState:
+    step: int = 0  # GRPO steps completed
+    weight_version: int = 0  # refits pushed to the generator
+    consumed_prompts: int = 0
+    epoch: int = 0
+    best_metric: float | None = None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> TrainerState:
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+
+def save_checkpoint(manager, parts, state: TrainerState, metrics: dict[str, float] | None) -> Path:
+    from grpo_train.checkpoint import atomic_torch_save, save_rng_state
+
+    def write(folder: Path) -> None:
+        ray.get(parts.policy.save.remote(str(folder / "policy")))
+        atomic_torch_save(parts.train_data.state_dict(), folder / "dataloader.pt")
+        save_rng_state(folder / "rng.pt")
+
+    return manager.save(state.step, write, state.to_json(), metrics)
+
+
+def restore_checkpoint(folder: Path, parts) -> TrainerState:
+    from grpo_train.checkpoint import CheckpointManager, load_rng_state
+
+    ray.get(parts.policy.load.remote(str(folder / "policy")))
+    parts.train_data.load_state_dict(torch.load(folder / "dataloader.pt", weights_only=False))
+    load_rng_state(folder / "rng.pt")
+    return TrainerState.from_json(CheckpointManager.load_trainer_state(folder))

@@ -1,0 +1,166 @@
+"""Build the parts of a run from its config: model path, tokenizer, data, envs, actors.
+
+Each part receives its own config section. Startup problems a person must fix (a model that
+is neither local nor downloadable, a missing data file) raise `StartupError` with one line.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from grpo_train.config.schema import DatasetConfig, GRPOMasterConfig
+
+BUILTIN_PREFIX = "builtin:"
+
+
+class StartupError(RuntimeError):
+    """A problem found before training starts; printed as one line, exit code 2."""
+
+
+def resolve_model_path(name: str, key: str = "policy.model_name") -> str:
+    """A local folder for `name`: bundled (`builtin:NAME`), a local path, or an HF hub cache hit."""
+    if name.startswith(BUILTIN_PREFIX):
+        from grpo_train.assets import builtin_model_path
+
+        try:
+            return str(builtin_model_path(name[len(BUILTIN_PREFIX):]))
+        except ValueError as exc:
+            raise StartupError(f"{key}: {exc}") from None
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise StartupError(f"{key}: {path} has no config.json; point it at a Hugging Face model folder")
+        return str(path.resolve())
+    if path.is_absolute() or name.startswith((".", "~")):
+        raise StartupError(f"{key}: local model folder {name!r} does not exist")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
+    except Exception as exc:  # offline, unknown repo, auth: all end the same way for the user
+        reason = type(exc).__name__
+        raise StartupError(
+            f"{key}: cannot load {name!r} ({reason}: no network or not in the local Hugging Face cache); "
+            f"download it elsewhere and set {key}=/path/to/local/copy"
+        ) from None
+
+
+def init_ray(cluster_cfg, env_vars: dict[str, str]) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = cluster_cfg.address or os.environ.get("RAY_ADDRESS")
+    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True, "configure_logging": False,
+                              "runtime_env": {"env_vars": env_vars}}
+    if address:
+        ray.init(address=address, **kwargs)
+    else:
+        # Logical CPUs: generation, training and environments take turns on the same cores.
+        cpus = cluster_cfg.num_cpus or max(os.cpu_count() or 1, 4)
+        ray.init(num_cpus=cpus, **kwargs)
+
+
+def actor_env_vars() -> dict[str, str]:
+    """Environment for every actor: Ray would otherwise pin torch to one thread (num_cpus=1)."""
+    threads = str(os.cpu_count() or 1)
+    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
+           "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME", "VLLM_CPU_KVCACHE_SPACE", "PYTHONPATH"):
+        if key in os.environ:
+            env[key] = os.environ[key]
+    return env
+
+
+def dataset_entries(cfg: GRPOMasterConfig, split: str) -> list[dict[str, Any]]:
+    """Dataset dicts of `data.train` / `data.validation` with `data.default` filled in."""
+    entries = getattr(cfg.data, split)
+    if entries is None:
+        return []
+    if isinstance(entries, DatasetConfig):
+        entries = [entries]
+    defaults = cfg.data.default.model_dump(exclude_unset=True)
+    return [{**defaults, **e.model_dump(exclude_unset=True)} for e in entries]
+
+
+def build_dataset(cfg: GRPOMasterConfig, split: str, tokenizer):
+    """One dataset (concatenated when the config lists several) of processed DatumSpecs."""
+    from torch.utils.data import ConcatDataset
+
+    from grpo_data.datasets import build_dataset as build_one
+    from grpo_data.errors import DataError
+
+    parts = []
+    for i, entry in enumerate(dataset_entries(cfg, split)):
+        entry.setdefault("max_input_seq_length", cfg.data.max_input_seq_length)
+        entry.setdefault("seed", cfg.grpo.seed)
+        try:
+            parts.append(build_one(entry, tokenizer))
+        except (DataError, FileNotFoundError) as exc:
+            raise StartupError(f"data.{split}[{i}] ({entry.get('dataset_name')}): {exc}") from None
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else ConcatDataset(parts)
+
+
+@dataclass
+class Components:
+    model_path: str
+    tokenizer: Any
+    train_data: Any  # InfiniteDataLoader of DatumSpec batches
+    val_datums: list  # DatumSpecs of the validation set (at most grpo.max_val_samples)
+    envs: dict  # env name -> EnvPool
+    policy: Any  # Ray actor handle of PolicyWorker
+    generator: Any  # Ray actor handle of a Generator
+
+    def shutdown(self) -> None:
+        import ray
+
+        for pool in self.envs.values():
+            pool.shutdown()
+        for actor in (self.generator, self.policy):
+            try:
+                ray.get(actor.shutdown.remote()) if hasattr(actor, "shutdown") else None
+            except Exception:  # noqa: BLE001 - best effort at exit
+                pass
+            ray.kill(actor)
+
+
+def build_components(cfg: GRPOMasterConfig, model_path: str) -> Components:
+    import ray
+    from transformers import AutoTokenizer
+
+    from grpo_data.dataloader import InfiniteDataLoader
+    from grpo_envs.pool import EnvPool
+    from grpo_train.generation import make_generation_actor
+    from grpo_train.policy.worker import PolicyWorker
+
+    tokenizer_path = resolve_model_path(cfg.policy.tokenizer.name, "policy.tokenizer.name") if cfg.policy.tokenizer.name else model_path
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    train_set = build_dataset(cfg, "train", tokenizer)
+    val_set = build_dataset(cfg, "validation", tokenizer)
+    train_data = InfiniteDataLoader(train_set, cfg.grpo.num_prompts_per_step, cfg.data.shuffle, cfg.grpo.seed,
+                                    num_workers=cfg.data.num_workers)
+    val_datums = [val_set[i] for i in range(min(len(val_set), cfg.grpo.max_val_samples))] if val_set is not None else []
+
+    envs = {name: EnvPool(name, env_cfg.model_dump(exclude={"num_workers"}), num_workers=env_cfg.num_workers)
+            for name, env_cfg in cfg.env.items()}
+    threads = os.cpu_count() or 1
+    policy = ray.remote(num_cpus=1)(PolicyWorker).remote(
+        model_path, cfg.policy, cfg.loss_fn, cfg.grpo.seed, num_threads=threads)
+    gen_cfg = cfg.policy.generation
+    if gen_cfg.backend == "vllm":
+        vllm = gen_cfg.vllm_cfg
+        gen_kwargs = dict(dtype=vllm.precision, max_model_len=vllm.max_model_len, seed=cfg.grpo.seed,
+                          gpu_memory_utilization=vllm.gpu_memory_utilization, tensor_parallel_size=vllm.tensor_parallel_size,
+                          enforce_eager=vllm.enforce_eager, kv_cache_space_gb=vllm.kv_cache_space_gb,
+                          temperature_for_logprobs=gen_cfg.temperature)
+    else:
+        gen_kwargs = dict(dtype=cfg.policy.precision, max_model_len=cfg.policy.max_total_sequence_length,
+                          seed=cfg.grpo.seed, temperature_for_logprobs=gen_cfg.temperature)
+    generator = make_generation_actor(gen_cfg.backend, model_path, num_cpus=1, **gen_kwargs)
+    ray.get(policy.ping.remote())
+    return Components(model_path, tokenizer, train_data, val_datums, envs, policy, generator)

@@ -1,0 +1,100 @@
+"""Synchronous GRPO, top to bottom.
+
+One step: draw prompts -> rollout (generate N per prompt, score) -> advantages -> prev/ref
+logprobs -> train -> push weights into the generator (+ refit check) -> log -> validate ->
+checkpoint. Generation always uses the weights of the start of the step.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from grpo_train.config.schema import GRPOMasterConfig
+from grpo_train.generation.base import SamplingSpec
+from grpo_train.rollout import rollout
+from grpo_train.run_state import TrainerState, save_checkpoint
+from grpo_train.train_step import PhaseTimer, add_logprobs, check_refit, prepare_batch, push_weights
+from grpo_train.validation import validate
+
+# Distinct seeds per step so a resumed run samples exactly what the uninterrupted run sampled.
+_STEP_SEED_STRIDE = 1_000_003
+
+
+def sampling_spec(cfg: GRPOMasterConfig) -> SamplingSpec:
+    gen = cfg.policy.generation
+    return SamplingSpec(
+        temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k if gen.top_k is not None else -1,
+        max_new_tokens=gen.max_new_tokens, stop_token_ids=tuple(gen.stop_token_ids or ()),
+        stop_strings=tuple(gen.stop_strings or ()), n=cfg.grpo.num_generations_per_prompt,
+    )
+
+
+def total_steps(cfg: GRPOMasterConfig, batches_per_epoch: int) -> int:
+    return min(cfg.grpo.max_num_steps, cfg.grpo.max_num_epochs * batches_per_epoch)
+
+
+def run_validation(cfg: GRPOMasterConfig, parts, logger, step: int) -> dict[str, float]:
+    if not parts.val_datums:
+        return {}
+    metrics, samples = validate(parts.generator, parts.envs, parts.val_datums, sampling_spec(cfg),
+                                cfg.grpo.val_num_generations, cfg.grpo.val_batch_size)
+    logger.log(metrics, step, split="val")
+    logger.log_samples(samples, step)
+    return metrics
+
+
+def collect_rollouts(cfg: GRPOMasterConfig, parts, sampling: SamplingSpec, state: TrainerState):
+    """One rollout; with dynamic sampling, more rounds until enough groups carry signal."""
+    datums = next(parts.train_data)
+    state.consumed_prompts += len(datums)
+    result = rollout(parts.generator, parts.envs, datums, sampling)
+    if not cfg.grpo.use_dynamic_sampling:
+        return result, {}
+    from grpo_train.dynamic_sampling import fill_with_signal
+
+    return fill_with_signal(cfg, parts, sampling, state, result)
+
+
+def train_sync(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: TrainerState) -> TrainerState:
+    sampling = sampling_spec(cfg)
+    last = total_steps(cfg, parts.train_data.batches_per_epoch)
+    pad_id = parts.tokenizer.pad_token_id if parts.tokenizer.pad_token_id is not None else parts.tokenizer.eos_token_id
+    if state.step == 0 and cfg.grpo.val_at_start:
+        run_validation(cfg, parts, logger, step=0)
+    while state.step < last:
+        step = state.step + 1
+        timer = PhaseTimer()
+        ray.get(parts.generator.reseed.remote(cfg.grpo.seed * _STEP_SEED_STRIDE + step))
+
+        result, sampling_metrics = collect_rollouts(cfg, parts, sampling, state)
+        timer.add("generate", result.generate_s)
+        timer.add("reward", result.reward_s)
+        batch, metrics = prepare_batch(cfg, result.rollouts, pad_id)
+        with timer("logprob"):
+            add_logprobs(cfg, parts.policy, batch)
+        with timer("train"):
+            metrics |= ray.get(parts.policy.train.remote(batch))
+        with timer("refit"):
+            state.weight_version += 1
+            push_weights(parts.policy, parts.generator, state.weight_version)
+        refit = cfg.grpo.refit_check
+        if refit.enabled and state.weight_version % refit.period == 0:
+            with timer("refit_check"):
+                probe = result.rollouts[: refit.num_probe_sequences]
+                metrics["refit/max_abs_logprob_diff"] = check_refit(cfg, parts.policy, parts.generator, probe)
+
+        state.step = step
+        state.epoch = parts.train_data.epoch
+        generated_tokens = sum(len(r.response_ids) for r in result.rollouts)
+        metrics |= result.env_metrics | sampling_metrics | timer.metrics()
+        metrics["tokens_per_s"] = generated_tokens / max(result.generate_s, 1e-9)
+        logger.log(metrics, step)
+
+        val_metrics = {}
+        if (cfg.grpo.val_period and step % cfg.grpo.val_period == 0) or (step == last and cfg.grpo.val_at_end):
+            val_metrics = run_validation(cfg, parts, logger, step)
+        if checkpoints is not None and (step % cfg.checkpointing.save_period == 0 or step == last):
+            ckpt_metrics = {f"val_{k}": v for k, v in val_metrics.items()} if val_metrics else None
+            save_checkpoint(checkpoints, parts, state, ckpt_metrics)
+    return state
+
