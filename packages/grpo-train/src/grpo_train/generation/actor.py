@@ -24,10 +24,14 @@ ACTOR_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 def resolve_backend(backend: str) -> type:
     """The generator class registered under `backend`."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown generation backend {backend!r}; expected one of {sorted(BACKENDS)}")
+    _check_backend(backend)
     module_name, class_name = BACKENDS[backend].split(":")
     return getattr(import_module(module_name), class_name)
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown generation backend {backend!r}; expected one of {sorted(BACKENDS)}")
 
 
 class GenerationActor:
@@ -74,7 +78,7 @@ def make_generation_actor(
     Call `handle.ready.remote()` to wait until the engine is up."""
     import ray
 
-    resolve_backend(backend)  # fail here, not inside the actor, on a bad name
+    _check_backend(backend)  # fail here, not inside the actor, on a bad name
     options = dict(actor_options or {})
     runtime_env = dict(options.pop("runtime_env", None) or {})
     runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **ACTOR_ENV}
