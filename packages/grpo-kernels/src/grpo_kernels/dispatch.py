@@ -1,0 +1,115 @@
+"""The one dispatch point of each op: Triton on CUDA tensors when triton imports, else the
+pure-PyTorch reference (always on CPU tensors). The choice is logged at debug level.
+
+This module imports neither torch nor triton at import time, so `import grpo_kernels` stays
+cheap; the chosen implementation is imported on first call.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from grpo_kernels.loss_config import PGLossConfig
+
+logger = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+
+
+@lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """True when triton imports (the `grpo-kernels[triton]` extra)."""
+    try:
+        importlib.import_module("triton")
+    except ImportError:
+        return False
+    return True
+
+
+def _pick(op: str, triton_module: str, tensor, why_not: str | None = None):
+    """-> the implementation of `op` for this call: the Triton one or the reference."""
+    if why_not is None:
+        if not tensor.is_cuda:
+            why_not = "CPU tensors"
+        elif not triton_available():
+            why_not = "triton is not installed"
+        else:
+            try:
+                impl = getattr(importlib.import_module(triton_module), op)
+            except ImportError as err:  # e.g. a triton too old for the kernels
+                _warn_once(f"grpo_kernels.{op}: Triton path unavailable ({err}); using the reference")
+                why_not = f"Triton import failed: {err}"
+            else:
+                logger.debug("grpo_kernels.%s -> triton", op)
+                return impl
+    logger.debug("grpo_kernels.%s -> reference (%s)", op, why_not)
+    return getattr(importlib.import_module("grpo_kernels.reference"), op)
+
+
+@lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    logger.warning(message)
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    target_ids: torch.Tensor,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    ignore_index: int = IGNORE_INDEX,
+    chunk_size: int | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+):
+    """log softmax(logits / temperature)[target] (and entropy) per row; see
+    `grpo_kernels.reference.token_logprobs` for the contract. chunk_size only bounds the
+    reference path's memory (the Triton kernel never materialises a row block)."""
+    impl = _pick("token_logprobs", "grpo_kernels.ops.logprobs", logits)
+    return impl(logits, target_ids, temperature, return_entropy, ignore_index, chunk_size, cu_seqlens)
+
+
+def linear_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    ignore_index: int = IGNORE_INDEX,
+    chunk_size: int = 1024,
+    cu_seqlens: torch.Tensor | None = None,
+):
+    """token_logprobs(hidden @ weight.T, ...) without materialising the logits; see
+    `grpo_kernels.reference.linear_token_logprobs`."""
+    impl = _pick("linear_token_logprobs", "grpo_kernels.ops.linear_logprobs", hidden)
+    return impl(hidden, weight, target_ids, temperature, return_entropy, ignore_index, chunk_size, cu_seqlens)
+
+
+def clipped_pg_loss(
+    curr: torch.Tensor,
+    prev: torch.Tensor,
+    gen: torch.Tensor,
+    ref: torch.Tensor | None,
+    advantages: torch.Tensor,
+    token_mask: torch.Tensor,
+    sample_mask: torch.Tensor,
+    config: PGLossConfig,
+    global_valid_tokens,
+    global_valid_seqs,
+    cu_seqlens: torch.Tensor | None = None,
+):
+    """The clipped PG + KL loss of shared/GRPO-MATH.md -> (loss, metrics); see
+    `grpo_kernels.reference.clipped_pg_loss`. GSPO sequence ratios couple the tokens of a
+    sequence in the gradient and run on the reference path."""
+    why_not = None
+    if getattr(config, "sequence_level_importance_ratios", False):
+        why_not = "GSPO sequence-level ratios"
+    impl = _pick("clipped_pg_loss", "grpo_kernels.ops.pg_loss", curr, why_not)
+    return impl(
+        curr, prev, gen, ref, advantages, token_mask, sample_mask, config,
+        global_valid_tokens, global_valid_seqs, cu_seqlens,
+    )
