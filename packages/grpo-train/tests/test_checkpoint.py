@@ -14,6 +14,7 @@ import pytest
 
 from grpo_train.checkpoint import (
     CheckpointManager,
+    _host,
     atomic_torch_save,
     load_rng_state,
     save_rng_state,
@@ -93,7 +94,7 @@ def test_crash_leftovers_are_ignored_by_latest(tmp_path):
     manager = CheckpointManager(tmp_path)
     manager.save(5, write_text("a.txt", "five"), {"step": 5})
     # A temp folder of a newer step that even has its marker, and a step folder without one.
-    leftover = tmp_path / f".tmp-step_9-{os.getpid()}-0123abcd"
+    leftover = tmp_path / f".tmp-step_9-{_host()}-{os.getpid()}-0123abcd"
     leftover.mkdir()
     (leftover / "trainer_state.json").write_text('{"step": 9}')
     (tmp_path / "step_8").mkdir()
@@ -126,11 +127,19 @@ def test_real_crash_mid_save_is_ignored_and_cleaned_up(tmp_path):
 
 
 def test_a_replace_interrupted_between_renames_is_restored(tmp_path):
-    aside = tmp_path / f".old-step_4-{dead_pid()}-0123abcd"
+    aside = tmp_path / f".old-step_4-{_host()}-{dead_pid()}-0123abcd"
     aside.mkdir()
     (aside / "trainer_state.json").write_text('{"step": 4}')
     manager = CheckpointManager(tmp_path)
     assert manager.latest() == tmp_path / "step_4" and hidden(tmp_path) == []
+
+
+def test_leftovers_of_another_host_are_left_alone(tmp_path):
+    # On a shared file system the pid of another machine's writer cannot be checked here.
+    other = tmp_path / f".tmp-step_7-other-node-01-{dead_pid()}-0123abcd"
+    other.mkdir()
+    manager = CheckpointManager(tmp_path)
+    assert other.exists() and manager.latest() is None
 
 
 # ------------------------------------------------------------------------------ replace

@@ -20,6 +20,7 @@ import math
 import os
 import re
 import shutil
+import socket
 import threading
 import uuid
 from pathlib import Path
@@ -33,8 +34,10 @@ METRICS_FILE = "checkpoint_metrics.json"
 """Metrics of a checkpoint, kept beside it so pruning works the same after a restart."""
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-# Hidden folders: .tmp- (being written), .old- (a replaced step_N set aside), .del- (pruned).
-_HIDDEN_DIR = re.compile(r"^\.(tmp|old|del)-step_(\d+)-(\d+)-[0-9a-f]+$")
+# Hidden folders: .tmp- (being written), .old- (a replaced step_N set aside), .del- (pruned),
+# named <kind>-step_<N>-<host>-<pid>-<random>. The host matters on a shared file system: a pid
+# can only be checked for liveness on the machine that owns it.
+_HIDDEN_DIR = re.compile(r"^\.(tmp|old|del)-step_(\d+)-(.+)-(\d+)-[0-9a-f]{8}$")
 
 
 # ---------------------------------------------------------------------------- durability
@@ -54,12 +57,17 @@ def _fsync_tree(root: Path) -> None:
         _fsync_path(Path(dirpath))
 
 
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "host"
+
+
 def _unique_suffix() -> str:
-    return f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return f"{_host()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-def _process_alive(pid: int) -> bool:
-    if pid == os.getpid():
+def _process_alive(host: str, pid: int) -> bool:
+    """Whether the writer may still be running; unknowable (so assumed) for another host's pid."""
+    if host != _host() or pid == os.getpid():
         return True
     try:
         os.kill(pid, 0)
@@ -301,9 +309,9 @@ class CheckpointManager:
             match = _HIDDEN_DIR.match(entry.name)
             if not match or not entry.is_dir():
                 continue
-            kind, step, pid = match.group(1), int(match.group(2)), int(match.group(3))
-            if _process_alive(pid):
-                continue  # a save still in progress elsewhere
+            kind, step, host, pid = match.group(1), int(match.group(2)), match.group(3), int(match.group(4))
+            if _process_alive(host, pid):
+                continue  # a save that may still be in progress
             final = self.step_dir(step)
             if kind == "old" and not final.exists() and (entry / TRAINER_STATE_FILE).is_file():
                 os.rename(entry, final)
