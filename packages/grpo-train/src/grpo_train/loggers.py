@@ -86,7 +86,7 @@ def _segment(metrics: dict[str, float], fields) -> str:
 
 
 def format_train_line(metrics: dict[str, float], step: int, total_steps: int) -> str:
-    """`step  12/60 | reward 0.62 acc 0.62 | loss -0.013 kl 0.0021 | ...`; missing keys skipped."""
+    """`step 12/60 | reward 0.62 acc 0.62 | loss -0.013 kl 0.0021 | ...`; missing keys skipped."""
     width = len(str(total_steps))
     segments = [f"step {step:>{width}}/{total_steps}"]
     segments += [s for s in (_segment(metrics, fields) for fields in TRAIN_LINE) if s]
