@@ -45,7 +45,7 @@ class PolicyWorker:
         self.loss_cfg = pg_loss_config(loss_cfg)
         self.rank, self.world_size = rank, world_size
         self.temperature = policy_cfg.generation.temperature
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=DTYPES[policy_cfg.precision])
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[policy_cfg.precision])
         self.model.train()
         self.reference = None
         if loss_cfg.reference_policy_kl_penalty > 0:
