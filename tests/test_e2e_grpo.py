@@ -1,0 +1,129 @@
+"""`grpo train` end to end on real parts (vLLM CPU build, Ray, HF policy), as a user runs it.
+
+The demo config is shortened with command-line overrides so each run takes well under a
+minute of training; Ray and vLLM start-up dominate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SHORT = [
+    "grpo.num_prompts_per_step=8",
+    "policy.train_global_batch_size=64",
+    "policy.train_micro_batch_size=32",
+    "grpo.max_val_samples=32",
+    "grpo.val_at_start=false",
+]
+# Wall-clock measurements differ between runs; everything else must match exactly.
+NONDETERMINISTIC = ("timing/", "tokens_per_s")
+
+
+def grpo_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "grpo_cli.main", *args]
+
+
+def run_grpo(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(grpo_cmd(*args), capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def deterministic(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if not k.startswith(NONDETERMINISTIC)} for row in rows]
+
+
+@pytest.mark.slow
+def test_short_run_writes_metrics_plot_logs_and_checkpoints(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_grpo("train", "--run-dir", str(run_dir), *SHORT, "grpo.max_num_steps=4", "grpo.val_period=2",
+                      "checkpointing.save_period=2", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = read_metrics(run_dir)
+    train = [r for r in rows if r["split"] == "train"]
+    val = [r for r in rows if r["split"] == "val"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    assert [r["step"] for r in val] == [2, 4]
+    for key in ("reward_mean", "accuracy", "loss", "kl_penalty", "grad_norm", "lr", "token_mult_prob_error",
+                "gen_kl_error", "policy_kl_error", "js_divergence_error", "sampling_importance_ratio",
+                "approx_entropy", "clip_fraction", "response_length", "tokens_per_s", "timing/generate_s",
+                "timing/reward_s", "timing/logprob_s", "timing/train_s", "timing/refit_s", "refit/max_abs_logprob_diff"):
+        assert key in train[0], key
+    # The refit check passed every step: trainer and vLLM agree on the new weights.
+    assert all(r["refit/max_abs_logprob_diff"] < 1e-3 for r in train)
+    # On-policy: the generator's and trainer's logprobs of the sampled tokens agree.
+    assert all(abs(r["token_mult_prob_error"] - 1.0) < 1e-3 for r in train)
+    assert 0.0 <= val[-1]["accuracy"] <= 1.0
+    assert (run_dir / "plots" / "training.png").stat().st_size > 10_000
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_")) == ["step_2", "step_4"]
+    assert list((run_dir / "tensorboard").rglob("events.out.tfevents.*"))
+    assert list((run_dir / "wandb").rglob("*.wandb"))
+    for word in ("plot:", "metrics:", "checkpoints:"):
+        assert word in result.stderr
+    # Running again resumes, finds the run complete and says so.
+    again = run_grpo("train", "--run-dir", str(run_dir), *SHORT, "grpo.max_num_steps=4", "grpo.val_period=2",
+                     "checkpointing.save_period=2", cwd=tmp_path)
+    assert again.returncode == 0 and "already finished 4 steps" in again.stderr
+
+
+@pytest.mark.slow
+def test_kill_and_resume_gives_bitwise_equal_weights_and_metrics(tmp_path):
+    from safetensors.torch import load_file
+
+    common = [*SHORT, "grpo.max_num_steps=6", "grpo.val_period=0", "grpo.val_at_end=false",
+              "checkpointing.save_period=3", "checkpointing.keep_top_k=null", "logger.wandb_enabled=false",
+              "logger.tensorboard_enabled=false", "logger.plot_enabled=false"]
+    straight = tmp_path / "straight"
+    result = run_grpo("train", "--run-dir", str(straight), *common, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+    # Same run, killed with SIGKILL once the step-3 checkpoint exists, then restarted.
+    resumed = tmp_path / "resumed"
+    proc = subprocess.Popen(grpo_cmd("train", "--run-dir", str(resumed), *common), cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 600
+    while not (resumed / "checkpoints" / "step_3" / "trainer_state.json").exists():
+        assert proc.poll() is None, "the run ended before its step-3 checkpoint"
+        assert time.time() < deadline
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    result = run_grpo("train", "--run-dir", str(resumed), *common, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "resumed from" in result.stderr
+
+    a = load_file(next((straight / "checkpoints" / "step_6" / "policy" / "model").glob("*.safetensors")))
+    b = load_file(next((resumed / "checkpoints" / "step_6" / "policy" / "model").glob("*.safetensors")))
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].equal(b[key]), key
+    rows_a, rows_b = deterministic(read_metrics(straight)), deterministic(read_metrics(resumed))
+    assert [r["step"] for r in rows_b] == [1, 2, 3, 4, 5, 6]
+    assert rows_a == rows_b
+
+
+def test_missing_local_model_fails_at_startup_with_one_line(tmp_path):
+    result = run_grpo("train", "policy.model_name=/nonexistent/model", cwd=tmp_path, timeout=120)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "policy.model_name: local model folder '/nonexistent/model' does not exist" in result.stderr
+
+
+def test_hub_model_without_network_says_what_to_set(tmp_path):
+    env_cmd = ["train", "policy.model_name=someone/not-a-cached-model"]
+    result = subprocess.run(grpo_cmd(*env_cmd), capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "set policy.model_name=/path/to/local/copy" in result.stderr
