@@ -1,0 +1,261 @@
+"""Weight refit into a running generator: a real vLLM engine (CPU build) in this process, and
+through real Ray actors (slow test).
+
+The oracle is the trainer's own model: after a push, the engine's logprobs on fixed sequences
+must equal log_softmax(trainer logits / T) within 1e-4 (fp32), and before the push they must not
+(so the check proves the new weights are live, the tied lm_head included)."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+
+from grpo_train.generation import HFGenerator, SamplingSpec, VllmGenerator, make_generation_actor
+from grpo_train.generation.vllm_worker_ext import serialize_weights
+from grpo_train.weight_sync import RefitMismatchError, check_refit, state_dict_for_refit
+
+TEMPERATURE = 0.7
+MAX_MODEL_LEN = 128
+ATOL = 1e-4
+# Longer than a KV block, so a stale prefix cache after a refit would be hit.
+PROBE_PROMPTS = [[3 + (7 * i) % 60 for i in range(40)], [3 + (11 * i) % 60 for i in range(36)]]
+
+
+def build_tiny_model(path, seed: int = 0) -> None:
+    """A 64-token char-level tokenizer and a random Qwen2 (hidden 128, 2 layers, 2 heads of 64,
+    tied embeddings), saved with save_pretrained."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    chars = "0123456789abcdefghijklmnopqrstuvwxyz+-=*/ ?.,:ABCDEFGHIJKLMNO"
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", bos_token="<bos>"
+    ).save_pretrained(path)
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+        tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+    )
+    Qwen2ForCausalLM(config).save_pretrained(path)
+
+
+def trainer_logprobs(model, sequences, prompt_lens, temperature=TEMPERATURE):
+    """What the trainer computes: log_softmax(logits / T) on the response tokens."""
+    out = []
+    with torch.no_grad():
+        for seq, plen in zip(sequences, prompt_lens):
+            logits = model(torch.tensor([seq])).logits[0].float()  # [S, V]
+            lp = torch.log_softmax(logits / temperature, dim=-1)[plen - 1 : -1]
+            out.append(lp.gather(-1, torch.tensor(seq[plen:])[:, None])[:, 0].tolist())
+    return out
+
+
+def diff(a, b) -> float:
+    return check_refit(a, b, threshold=float("inf"))
+
+
+def trained_copy(model, steps: int = 3, lr: float = 1e-2, seed: int = 1):
+    """The model after a few AdamW steps on random token sequences: every weight moves."""
+    trained = copy.deepcopy(model).train()
+    opt = torch.optim.AdamW(trained.parameters(), lr=lr)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        ids = torch.randint(3, 64, (4, 24), generator=gen)
+        loss = trained(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return trained.eval()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-qwen2-refit")
+    build_tiny_model(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def base_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def vllm_gen(model_dir):
+    gen = VllmGenerator(model_dir, max_model_len=MAX_MODEL_LEN, temperature_for_logprobs=TEMPERATURE)
+    yield gen
+    gen.shutdown()
+
+
+def direct(generator):
+    """Call a generator's method in this process."""
+    return lambda method, *args: getattr(generator, method)(*args)
+
+
+def through_ray(ray, actor):
+    """Call a generation actor's method through Ray and wait for it."""
+    return lambda method, *args: ray.get(getattr(actor, method).remote(*args))
+
+
+def check_refit_takes_effect(call, base_model, version: int, seed: int) -> dict[str, float]:
+    """Generate with the current weights, push trained weights, and compare score and fresh
+    samples with the trainer; returns the measured numbers."""
+    sampling = SamplingSpec(temperature=TEMPERATURE, max_new_tokens=16, n=2)
+    trained = trained_copy(base_model, seed=seed)
+    before = call("generate", PROBE_PROMPTS, sampling)
+    seqs = [r.prompt_ids + r.response_ids for r in before]
+    plens = [len(r.prompt_ids) for r in before]
+    expected = trainer_logprobs(trained, seqs, plens)
+    stale = call("score", seqs, plens)
+    stale_diff = diff(expected, stale)
+    assert stale_diff > 0.05, "the optimizer steps did not move the logprobs enough to test refit"
+    with pytest.raises(RefitMismatchError, match="threshold"):
+        check_refit(expected, stale, ATOL)
+
+    start = time.perf_counter()
+    engine_seconds = call("update_weights", state_dict_for_refit(trained), version)
+    round_trip = time.perf_counter() - start
+    assert call("weight_version") == version
+
+    score_diff = check_refit(expected, call("score", seqs, plens), ATOL)
+    # Same prompts again: a prefix cache kept from the old weights would show here.
+    after = call("generate", PROBE_PROMPTS, sampling)
+    seqs2 = [r.prompt_ids + r.response_ids for r in after]
+    plens2 = [len(r.prompt_ids) for r in after]
+    sample_diff = check_refit(
+        trainer_logprobs(trained, seqs2, plens2), [r.response_logprobs for r in after], ATOL
+    )
+    return {"engine_s": engine_seconds, "round_trip_s": round_trip, "before": stale_diff,
+            "score_after": score_diff, "samples_after": sample_diff}
+
+
+def report(label: str, m: dict[str, float]) -> None:
+    print(f"\n[measure] {label}: refit {m['engine_s'] * 1e3:.0f} ms in the generator, "
+          f"{m['round_trip_s'] * 1e3:.0f} ms round trip; max |dlogprob| before {m['before']:.3f}, "
+          f"after: score {m['score_after']:.2e}, samples {m['samples_after']:.2e}")
+
+
+def test_vllm_refit_takes_effect(vllm_gen, base_model):
+    report("vllm in-process", check_refit_takes_effect(direct(vllm_gen), base_model, 1, seed=1))
+
+
+def test_refit_of_tied_embedding_reaches_lm_head(vllm_gen, base_model):
+    model = copy.deepcopy(base_model)
+    old_embedding = model.model.embed_tokens.weight.detach().clone()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.add_(0.2 * torch.randn_like(old_embedding))
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    weights = state_dict_for_refit(model)
+    assert "lm_head.weight" not in weights
+
+    seqs = [p + [5, 6, 7, 8, 9, 10] for p in PROBE_PROMPTS]
+    plens = [len(p) for p in PROBE_PROMPTS]
+    expected = trainer_logprobs(model, seqs, plens)
+    # What a stale lm_head would give: new hidden states, old output embedding.
+    with torch.no_grad():
+        stale_head = []
+        for seq, plen in zip(seqs, plens):
+            hidden = model.model(torch.tensor([seq])).last_hidden_state[0]  # [S, H]
+            lp = torch.log_softmax(hidden @ old_embedding.T / TEMPERATURE, dim=-1)[plen - 1 : -1]
+            stale_head.append(lp.gather(-1, torch.tensor(seq[plen:])[:, None])[:, 0].tolist())
+    assert diff(expected, stale_head) > 0.05, "noise too small to tell a stale lm_head apart"
+
+    vllm_gen.update_weights(weights, 2)
+    assert check_refit(expected, vllm_gen.score(seqs, plens), ATOL) < ATOL
+
+
+def test_refit_as_safetensors_bytes(vllm_gen, base_model):
+    """The transport used when the engine's workers live in other processes."""
+    trained = trained_copy(base_model, seed=3)
+    seqs = [p + [11, 12, 13] for p in PROBE_PROMPTS]
+    plens = [len(p) for p in PROBE_PROMPTS]
+    blob = serialize_weights(state_dict_for_refit(trained))
+    assert isinstance(blob, bytes)
+    vllm_gen.llm.collective_rpc("grpo_load_weights", args=(blob,))
+    vllm_gen.llm.reset_prefix_cache()
+    check_refit(trainer_logprobs(trained, seqs, plens), vllm_gen.score(seqs, plens), ATOL)
+
+
+def test_hf_generator_refit_takes_effect(model_dir, base_model):
+    gen = HFGenerator(model_dir, max_model_len=MAX_MODEL_LEN, temperature_for_logprobs=TEMPERATURE)
+    report("hf in-process", check_refit_takes_effect(direct(gen), base_model, 5, seed=4))
+
+
+@pytest.mark.slow
+def test_generation_actors_through_ray(ray_session, vllm_gen, model_dir, base_model):
+    """generate / update_weights / score via .remote() on a vLLM actor, then an HF actor."""
+    ray = ray_session
+    vllm_gen.shutdown()  # one engine at a time: this module's in-process engine goes first
+    for backend in ("vllm", "hf"):
+        start = time.perf_counter()
+        actor = make_generation_actor(
+            backend, model_dir, num_cpus=1, max_model_len=MAX_MODEL_LEN,
+            temperature_for_logprobs=TEMPERATURE,
+        )
+        try:
+            engine_seconds = ray.get(actor.ready.remote())
+            print(f"\n[measure] {backend} actor up in {time.perf_counter() - start:.1f} s "
+                  f"(generator start {engine_seconds:.1f} s)")
+            measured = check_refit_takes_effect(through_ray(ray, actor), base_model, 1, seed=1)
+            report(f"{backend} through Ray", measured)
+            ray.get(actor.shutdown.remote())
+        finally:
+            ray.kill(actor)
+
+
+def test_hf_generator_rejects_unknown_weight_names(model_dir):
+    gen = HFGenerator(model_dir)
+    with pytest.raises(KeyError, match="does not have"):
+        gen.update_weights({"model.not_a_layer.weight": torch.zeros(2)}, 1)
+
+
+def test_unknown_backend_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown generation backend 'sglang'"):
+        make_generation_actor("sglang", "/nowhere")
+
+
+def test_check_refit_reports_max_diff_and_location():
+    trainer = [[-1.0, -2.0], [-0.5]]
+    assert check_refit(trainer, [[-1.0, -2.00001], [-0.5]], 1e-4) == pytest.approx(1e-5, abs=1e-9)
+    with pytest.raises(RefitMismatchError) as info:
+        check_refit(trainer, [[-1.0, -2.0], [-0.8]], 1e-3)
+    err = info.value
+    assert err.max_abs_diff == pytest.approx(0.3)
+    assert err.where == (1, 0)
+    message = str(err)
+    assert "0.3" in message and "0.001" in message and "sequence 1, token 0" in message
+    with pytest.raises(RefitMismatchError):
+        check_refit([[0.0]], [[float("nan")]], 1.0)
+    with pytest.raises(ValueError, match="sequence 0"):
+        check_refit([[0.0, 1.0]], [[0.0]], 1.0)
+    with pytest.raises(ValueError, match="2 trainer sequences"):
+        check_refit([[0.0], [0.0]], [[0.0]], 1.0)
+
+
+def test_state_dict_for_refit_names_and_tied_weights(base_model):
+    weights = state_dict_for_refit(base_model)
+    hf_names = set(base_model.state_dict())
+    assert set(weights) == hf_names - {"lm_head.weight"}  # tied: sent once, as the embedding
+    for name, tensor in weights.items():
+        assert tensor.device.type == "cpu" and tensor.is_contiguous()
+        assert torch.equal(tensor, base_model.state_dict()[name])
+    half = state_dict_for_refit(base_model, dtype=torch.bfloat16)
+    assert all(t.dtype == torch.bfloat16 for t in half.values())
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    untied = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=1, num_key_value_heads=1, head_dim=64, tie_word_embeddings=False,
+    ))
+    assert "lm_head.weight" in state_dict_for_refit(untied)
