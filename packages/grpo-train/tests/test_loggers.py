@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -126,12 +127,17 @@ def test_console_prints_one_line_per_step_and_samples(tmp_path, capsys):
 
 
 # --------------------------------------------------------------------------------- wandb
+WANDB_FLUSH_TIMEOUT_S = 30.0
+
+
 def read_wandb_records(path: Path):
     """Records of a .wandb file (LevelDB-log framing: 7-byte file header, 32 KiB blocks of chunks)."""
     from wandb.proto import wandb_internal_pb2
 
     block, chunk_header = 32 * 1024, 7
     data = path.read_bytes()
+    if len(data) < 7:  # not even the file header written yet
+        return
     assert data[:4] == b":W&B"
     pos, buffer = 7, b""
     while pos + chunk_header <= len(data):
@@ -140,7 +146,7 @@ def read_wandb_records(path: Path):
             continue
         _crc, length, kind = struct.unpack("<IHB", data[pos : pos + chunk_header])
         pos += chunk_header
-        if kind == 0 and length == 0:
+        if (kind == 0 and length == 0) or pos + length > len(data):  # end, or a chunk still being written
             break
         chunk = data[pos : pos + length]
         pos += length
@@ -158,6 +164,11 @@ def test_wandb_offline_run_folder_has_the_logged_values(tmp_path):
         logger.log({"accuracy": 0.71}, step=2, split="val")
     run_id = (tmp_path / "wandb_id.txt").read_text().strip()
     (run_file,) = (tmp_path / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")
+    # run.finish() returns before wandb-core's writer has flushed the file: wait for the exit record.
+    deadline = time.monotonic() + WANDB_FLUSH_TIMEOUT_S
+    while not any(r.WhichOneof("record_type") == "exit" for r in read_wandb_records(run_file)):
+        assert time.monotonic() < deadline, f"{run_file} has no exit record after {WANDB_FLUSH_TIMEOUT_S} s"
+        time.sleep(0.1)
 
     history, run_record = [], None
     for record in read_wandb_records(run_file):
