@@ -314,7 +314,11 @@ class MetricsLogger:
                 )
 
     def close(self) -> None:
-        """Finish wandb, flush and close TensorBoard and the JSONL file, close the progress bar."""
+        """Finish wandb, flush and close TensorBoard and the JSONL file, close the progress bar.
+
+        wandb-core completes the offline run file a moment after `finish()` returns (at the
+        latest when the process exits); readers of that file should wait for its exit record.
+        """
         with self._lock:
             if self._closed:
                 return
