@@ -50,3 +50,24 @@ def test_datum_spec_token_ids_concatenates_messages():
     )
     assert datum.token_ids.tolist() == [1, 2, 3]
     assert datum.loss_multiplier == 1.0 and not datum.truncated
+
+
+def test_datum_spec_pickles_token_ids_as_arrays_and_rebuilds_tensors():
+    import copy
+    import pickle
+
+    datum = DatumSpec(
+        message_log=[{"role": "user", "content": "1+1=", "token_ids": torch.tensor([10, 19, 10, 22])}],
+        length=4,
+        extra_env_info={"ground_truth": "2"},
+        loss_multiplier=0.0,
+        idx=3,
+        truncated=True,
+        dataset_name="d",
+    )
+    payload = pickle.dumps(datum)
+    assert b"torch" not in payload  # no tensor storage (shared memory across processes)
+    for clone in (pickle.loads(payload), copy.deepcopy(datum)):
+        assert clone.message_log[0]["token_ids"].dtype == torch.long
+        assert clone.token_ids.tolist() == [10, 19, 10, 22]
+        assert (clone.length, clone.loss_multiplier, clone.idx, clone.truncated, clone.dataset_name) == (4, 0.0, 3, True, "d")
