@@ -1,14 +1,12 @@
 #!/usr/bin/env bash
-# Re-lock the workspace. uv stores the relative flat index `./wheels` as an absolute file://
-# URL in the lock's requires-dist metadata (astral-sh/uv#15055); rewrite it back so the lock
-# names no machine's path. Syncs use --frozen, which never compares that field.
+# Re-lock the workspace and check that the lock names no machine's path (uv writes an index
+# named in [tool.uv.sources] as an absolute file:// URL: astral-sh/uv#15055, so the local
+# wheel folder is never named there).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 uv="$(command -v uv || echo 'python3 -m uv')"
 $uv lock "$@"
-root_url="file://$(pwd -P)/wheels"
-sed -i "s#index = \"${root_url}\"#index = \"./wheels\"#g" uv.lock
 if grep -n "file://" uv.lock; then
-  echo "lock.sh: uv.lock still names a local path (above)" >&2
+  echo "lock.sh: uv.lock names a local path (above); it must stay machine-independent" >&2
   exit 1
 fi
