@@ -229,6 +229,8 @@ def _prepare_logits(logits, target_ids, temperature, ignore_index, chunk_size, c
     n_cols = logits.shape[-1]
     if n_cols < 1:
         raise ValueError("logits: the vocabulary dimension is empty")
+    if not isinstance(target_ids, torch.Tensor):
+        raise ValueError(f"target_ids: expected a tensor, got {type(target_ids).__name__}")
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size={chunk_size!r}: expected a positive number of rows or None")
     if cu_seqlens is not None:
@@ -258,10 +260,10 @@ def token_logprobs(
     position of each sequence gives 0); `torch.roll(out, 1)` aligns that to "token t holds
     log p(x_t | x_<t)" with 0 at every sequence start.
     """
-    out_shape = target_ids.shape
     logits2d, targets, temperature, chunk_rows = _prepare_logits(
         logits, target_ids, temperature, ignore_index, chunk_size, cu_seqlens
     )
+    out_shape = targets.shape if cu_seqlens is not None else target_ids.shape
     if torch.is_grad_enabled() and logits2d.requires_grad:
         out = _ChunkedTokenLogprobs.apply(
             logits2d, targets, temperature, ignore_index, chunk_rows, return_entropy
@@ -345,20 +347,8 @@ class _ChunkedLinearTokenLogprobs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
-def linear_token_logprobs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target_ids: torch.Tensor,
-    temperature: float = 1.0,
-    return_entropy: bool = False,
-    ignore_index: int = IGNORE_INDEX,
-    chunk_size: int = DEFAULT_LINEAR_CHUNK_ROWS,
-    cu_seqlens: torch.Tensor | None = None,
-):
-    """token_logprobs(hidden @ weight.T, ...) without ever holding more than chunk_size rows of
-    logits. hidden [T, H] or [B, S, H], weight [V, H] (the lm_head). Exact: forward and backward
-    (dX, dW) match the unfused computation; under torch.no_grad() nothing is saved.
-    """
+def check_linear_inputs(hidden, weight, target_ids, temperature, ignore_index, chunk_size, cu_seqlens):
+    """Validate the fused lm_head inputs -> (hidden [T, H], targets [T] int64, temperature)."""
     if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.dim() < 2:
         raise ValueError("hidden: expected a floating-point tensor [T, H] or [B, S, H]")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
@@ -373,14 +363,37 @@ def linear_token_logprobs(
         )
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size!r}: expected a positive number of rows")
+    if not isinstance(target_ids, torch.Tensor):
+        raise ValueError(f"target_ids: expected a tensor, got {type(target_ids).__name__}")
     temperature = check_temperature(temperature)
     if cu_seqlens is not None:
         if hidden.dim() != 2 or target_ids.dim() != 1:
             raise ValueError("cu_seqlens: packed input needs flat hidden [T, H] and input ids [T]")
         target_ids = shift_targets_packed(target_ids, cu_seqlens, ignore_index)
-    out_shape = target_ids.shape
     targets = check_targets(target_ids, hidden.shape[:-1], weight.shape[0], hidden.device, ignore_index, "hidden")
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
+    return hidden2d, targets, temperature
+
+
+def linear_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    ignore_index: int = IGNORE_INDEX,
+    chunk_size: int = DEFAULT_LINEAR_CHUNK_ROWS,
+    cu_seqlens: torch.Tensor | None = None,
+):
+    """token_logprobs(hidden @ weight.T, ...) without ever holding more than chunk_size rows of
+    logits. hidden [T, H] or [B, S, H], weight [V, H] (the lm_head). Exact: forward and backward
+    (dX, dW) match the unfused computation; under torch.no_grad() nothing is saved. With
+    cu_seqlens, target_ids are the packed input ids (as in token_logprobs).
+    """
+    hidden2d, targets, temperature = check_linear_inputs(
+        hidden, weight, target_ids, temperature, ignore_index, chunk_size, cu_seqlens
+    )
+    out_shape = targets.shape if cu_seqlens is not None else target_ids.shape
     args = (targets, temperature, ignore_index, chunk_size, return_entropy)
     if torch.is_grad_enabled() and (hidden2d.requires_grad or weight.requires_grad):
         out = _ChunkedLinearTokenLogprobs.apply(hidden2d, weight, *args)
@@ -421,7 +434,7 @@ def _as_count(value, name: str, device, dtype) -> torch.Tensor:
 
 
 def check_pg_inputs(curr, prev, gen, ref, advantages, token_mask, sample_mask, config, cu_seqlens):
-    """Validate shapes, dtypes, devices and layout. Returns (seq_id [N], n_seqs, valid [N])."""
+    """Validate shapes, dtypes, devices and layout -> (n_seqs, cu_seqlens as int64 or None)."""
     if not isinstance(config, PGLossConfig):
         raise ValueError(f"config: expected a PGLossConfig, got {type(config).__name__}")
     if not isinstance(curr, torch.Tensor) or not curr.is_floating_point():
@@ -449,27 +462,35 @@ def check_pg_inputs(curr, prev, gen, ref, advantages, token_mask, sample_mask, c
             raise ValueError(f"{name}: expected a bool or 0/1 numeric mask, got {t.dtype}")
     if token_mask.shape != curr.shape:
         raise ValueError(f"token_mask: shape {tuple(token_mask.shape)} differs from curr's {tuple(curr.shape)}")
-    device = curr.device
+    cu = None
     if curr.dim() == 2:
         if cu_seqlens is not None:
             raise ValueError("cu_seqlens: given for padded [B, S] input; packed input is flat [T]")
-        n_seqs, seq_len = curr.shape
-        seq_id = torch.arange(n_seqs, device=device).repeat_interleave(seq_len)
+        n_seqs = curr.shape[0]
     elif curr.dim() == 1:
         if cu_seqlens is None:
             raise ValueError("cu_seqlens: required for packed [T] input")
-        cu = check_cu_seqlens(cu_seqlens, curr.numel(), device)
+        cu = check_cu_seqlens(cu_seqlens, curr.numel(), curr.device)
         n_seqs = cu.numel() - 1
-        # Tokens after cu_seqlens[-1] (tail padding) belong to a dummy, masked sequence n_seqs.
-        lengths = torch.cat([cu.diff(), (curr.numel() - cu[-1:])])
-        seq_id = torch.arange(n_seqs + 1, device=device).repeat_interleave(lengths)
     else:
         raise ValueError(f"curr: expected [B, S] or packed [T], got shape {tuple(curr.shape)}")
     if sample_mask.shape != (n_seqs,):
         raise ValueError(f"sample_mask: shape {tuple(sample_mask.shape)}, expected ({n_seqs},)")
+    return n_seqs, cu
+
+
+def token_layout(curr, token_mask, sample_mask, n_seqs, cu):
+    """-> seq_id [N] (tokens after cu_seqlens[-1] belong to a dummy masked sequence n_seqs)
+    and valid [N] = token_mask & sample_mask of the token's sequence."""
+    device = curr.device
+    if cu is None:
+        seq_id = torch.arange(n_seqs, device=device).repeat_interleave(curr.shape[1])
+    else:
+        lengths = torch.cat([cu.diff(), (curr.numel() - cu[-1:])])
+        seq_id = torch.arange(n_seqs + 1, device=device).repeat_interleave(lengths)
     sample_ok = torch.cat([sample_mask.reshape(-1) != 0, sample_mask.new_zeros(1, dtype=torch.bool)])
     valid = (token_mask.reshape(-1) != 0) & sample_ok[seq_id]
-    return seq_id, n_seqs, valid
+    return seq_id, valid
 
 
 def clipped_pg_loss(
@@ -494,9 +515,10 @@ def clipped_pg_loss(
     the returned loss (and the mean-type metrics) over micro-batches and ranks gives the global
     value. Metrics are detached 0-dim float32 tensors.
     """
-    seq_id, n_seqs, valid = check_pg_inputs(
+    n_seqs, cu = check_pg_inputs(
         curr, prev, gen, ref, advantages, token_mask, sample_mask, config, cu_seqlens
     )
+    seq_id, valid = token_layout(curr, token_mask, sample_mask, n_seqs, cu)
     cfg = config
     wd = work_dtype(curr.dtype)
     g_tok = _as_count(global_valid_tokens, "global_valid_tokens", curr.device, wd)
