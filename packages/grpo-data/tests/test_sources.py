@@ -107,3 +107,20 @@ def test_local_paths_versus_hub_names(tmp_path):
     assert is_local(tmp_path)
     assert is_local("data/train.jsonl") and is_local("./x") and is_local("/abs/path")
     assert not is_local("nvidia/OpenMathInstruct-2")
+
+
+def test_hub_reader_path_through_datasets_load_dataset(tmp_path, jsonl, monkeypatch):
+    # A local folder given straight to datasets.load_dataset exercises the same code as a hub
+    # name (load, column check, select, to rows) without any network.
+    import datasets
+
+    from grpo_data.sources import read_hub
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "hubcopy"
+    folder.mkdir()
+    jsonl(folder / "train.jsonl", [{"question": "1+1", "answer": "2", "extra": 0}, {"question": "2+2", "answer": "4", "extra": 1}])
+    rows = list(read_hub(str(folder), None, "train", ["question", "answer"], hint=""))
+    assert rows == [(1, {"question": "1+1", "answer": "2"}), (2, {"question": "2+2", "answer": "4"})]
+    with pytest.raises(DataError, match=r"key 'problem': no such column; the dataset has columns"):
+        list(read_hub(str(folder), None, "train", ["problem"], hint=""))

@@ -18,7 +18,6 @@ grpo-data does not compute rewards; the training loop passes them in with `set_r
 
 from __future__ import annotations
 
-import importlib
 import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from torch.utils.data import ConcatDataset
 
 from grpo_data.dataloader import InfiniteDataLoader
 from grpo_data.errors import DataError
+from grpo_data.registry import register, resolve
 
 # Seeds of different loaders are this far apart so that loader i's epoch e never reuses
 # another loader's (seed + epoch).
@@ -52,30 +52,12 @@ SAMPLERS: dict[str, Sampler] = {}
 
 
 def register_sampler(name: str) -> Callable[[Sampler], Sampler]:
-    def decorator(fn: Sampler) -> Sampler:
-        SAMPLERS[name] = fn
-        return fn
-
-    return decorator
+    return register(SAMPLERS, name, "sampler")
 
 
 def get_sampler(name_or_import_path: str | Sampler) -> Sampler:
     """A built-in sampler by name or a custom one by "package.module:function"."""
-    if callable(name_or_import_path):
-        return name_or_import_path
-    name = str(name_or_import_path)
-    if name in SAMPLERS:
-        return SAMPLERS[name]
-    if ":" not in name:
-        raise DataError(f"unknown sampler {name!r}; built-in samplers are {sorted(SAMPLERS)}, or 'module:function'")
-    module_name, _, attr = name.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr, None)
-    except ImportError as exc:
-        raise DataError(f"custom_dataloader {name!r}: cannot import {module_name!r} ({exc})") from exc
-    if not callable(fn):
-        raise DataError(f"custom_dataloader {name!r}: {module_name!r} has no callable {attr!r}")
-    return fn
+    return resolve(name_or_import_path, SAMPLERS, "sampler")
 
 
 @register_sampler("round_robin")

@@ -21,7 +21,6 @@ raises a `DataError` when `on_overlong="error"`.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -30,6 +29,7 @@ import torch
 
 from grpo_data.errors import DataError
 from grpo_data.records import DatumSpec, TaskSpec
+from grpo_data.registry import register, resolve
 
 Processor = Callable[..., DatumSpec]
 
@@ -43,37 +43,12 @@ DEFAULT_OUTPUT_KEY = "answer"
 
 def register_processor(name: str) -> Callable[[Processor], Processor]:
     """Decorator: make `fn` available under `name` in `PROCESSORS` (names are unique)."""
-
-    def decorator(fn: Processor) -> Processor:
-        if name in PROCESSORS and PROCESSORS[name] is not fn:
-            raise ValueError(f"processor {name!r} is already registered ({PROCESSORS[name].__module__})")
-        PROCESSORS[name] = fn
-        return fn
-
-    return decorator
+    return register(PROCESSORS, name, "processor")
 
 
 def get_processor(name_or_import_path: str | Processor) -> Processor:
     """A registered processor by name, or a user processor by "module.sub:function"."""
-    if callable(name_or_import_path):
-        return name_or_import_path
-    name = str(name_or_import_path)
-    if name in PROCESSORS:
-        return PROCESSORS[name]
-    if ":" not in name:
-        raise DataError(
-            f"unknown processor {name!r}; built-in processors are {sorted(PROCESSORS)}, "
-            "or give a user processor as 'package.module:function'"
-        )
-    module_name, _, attr = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise DataError(f"processor {name!r}: cannot import module {module_name!r} ({exc})") from exc
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise DataError(f"processor {name!r}: module {module_name!r} has no callable {attr!r}")
-    return fn
+    return resolve(name_or_import_path, PROCESSORS, "processor")
 
 
 def check_processor_options(processor: Processor, options: Mapping[str, Any], name: str = "") -> None:
