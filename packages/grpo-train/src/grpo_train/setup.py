@@ -54,7 +54,10 @@ def init_ray(cluster_cfg, env_vars: dict[str, str]) -> None:
     if ray.is_initialized():
         return
     address = cluster_cfg.address or os.environ.get("RAY_ADDRESS")
-    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True, "configure_logging": False,
+    # Actor output (vLLM banners, HF progress bars) stays in Ray's log files unless asked for;
+    # errors still reach the driver as exceptions.
+    to_driver = os.environ.get("GRPO_ACTOR_LOGS", "0") == "1"
+    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": to_driver, "configure_logging": False,
                               "runtime_env": {"env_vars": env_vars}}
     if address:
         ray.init(address=address, **kwargs)
