@@ -85,35 +85,38 @@ def actor_env_vars() -> dict[str, str]:
     return env
 
 
-def dataset_entries(cfg: GRPOMasterConfig, split: str) -> list[dict[str, Any]]:
-    """Dataset dicts of `data.train` / `data.validation` with `data.default` filled in."""
-    entries = getattr(cfg.data, split)
-    if entries is None:
-        return []
-    if isinstance(entries, DatasetConfig):
-        entries = [entries]
-    defaults = cfg.data.default.model_dump(exclude_unset=True)
-    return [{**defaults, **e.model_dump(exclude_unset=True)} for e in entries]
+def data_section(cfg: GRPOMasterConfig) -> dict[str, Any]:
+    """The data section as grpo-data reads it: only the keys a person set, no nulls."""
+
+    def entries(value):
+        if value is None:
+            return None
+        if isinstance(value, DatasetConfig):
+            return value.model_dump(exclude_none=True)
+        return [e.model_dump(exclude_none=True) for e in value]
+
+    return {"max_input_seq_length": cfg.data.max_input_seq_length, "default": cfg.data.default.model_dump(exclude_none=True),
+            "train": entries(cfg.data.train), "validation": entries(cfg.data.validation)}
 
 
-def build_dataset(cfg: GRPOMasterConfig, split: str, tokenizer):
-    """One dataset (concatenated when the config lists several) of processed DatumSpecs."""
+def build_datasets(cfg: GRPOMasterConfig, tokenizer):
+    """(train, validation) datasets; several entries are concatenated; validation may be None."""
     from torch.utils.data import ConcatDataset
 
-    from grpo_data.datasets import build_dataset as build_one
+    from grpo_data.datasets import build_data
     from grpo_data.errors import DataError
 
-    parts = []
-    for i, entry in enumerate(dataset_entries(cfg, split)):
-        entry.setdefault("max_input_seq_length", cfg.data.max_input_seq_length)
-        entry.setdefault("seed", cfg.grpo.seed)
-        try:
-            parts.append(build_one(entry, tokenizer))
-        except (DataError, FileNotFoundError) as exc:
-            raise StartupError(f"data.{split}[{i}] ({entry.get('dataset_name')}): {exc}") from None
-    if not parts:
-        return None
-    return parts[0] if len(parts) == 1 else ConcatDataset(parts)
+    try:
+        splits = build_data(data_section(cfg), tokenizer)
+    except (DataError, FileNotFoundError) as exc:
+        raise StartupError(str(exc)) from None
+
+    def joined(parts):
+        return None if not parts else parts[0] if len(parts) == 1 else ConcatDataset(parts)
+
+    if not splits.train:
+        raise StartupError("data.train: no training dataset configured")
+    return joined(splits.train), joined(splits.validation)
 
 
 @dataclass
@@ -150,8 +153,7 @@ def build_components(cfg: GRPOMasterConfig, model_path: str) -> Components:
 
     tokenizer_path = resolve_model_path(cfg.policy.tokenizer.name, "policy.tokenizer.name") if cfg.policy.tokenizer.name else model_path
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    train_set = build_dataset(cfg, "train", tokenizer)
-    val_set = build_dataset(cfg, "validation", tokenizer)
+    train_set, val_set = build_datasets(cfg, tokenizer)
     train_data = InfiniteDataLoader(train_set, cfg.grpo.num_prompts_per_step, cfg.data.shuffle, cfg.grpo.seed,
                                     num_workers=cfg.data.num_workers)
     val_datums = [val_set[i] for i in range(min(len(val_set), cfg.grpo.max_val_samples))] if val_set is not None else []

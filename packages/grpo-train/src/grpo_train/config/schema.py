@@ -295,26 +295,39 @@ class PolicyConfig(Section):
 
 # ---------------------------------------------------------------------------------- data
 class DatasetConfig(Section):
-    dataset_name: str = "arithmetic"
-    """Built-in name (arithmetic, OpenMathInstruct-2, DeepScaler, DAPO-Math-17k, AIME2024, GSM8K, MATH-500) or ResponseDataset."""
-    data_path: str | None = None
-    """Local JSONL/Parquet file or folder (overrides the hub location)."""
-    input_key: str | None = None
-    output_key: str | None = None
-    subset: str | None = None
-    split: str | None = None
-    split_validation_size: float | int | None = None
+    """One dataset entry; the keys are grpo-data's (grpo_data.datasets) and are checked again there
+    against the dataset's kind (a file key on a synthetic dataset is refused)."""
+
+    dataset_name: str | None = None
+    """Built-in name (arithmetic, OpenMathInstruct-2, DeepScaler, DAPOMath17K, AIME2024, GSM8K, MATH-500) or ResponseDataset."""
+    task_name: str | None = None
     processor: str | None = None
-    """Processor name or `module:function`."""
+    """Processor name (plain, math, chat) or `module:function`."""
+    processor_kwargs: dict[str, Any] | None = None
     prompt_file: str | None = None
     system_prompt_file: str | None = None
     env_name: str | None = None
     """Environment that scores this dataset (a key of `env`)."""
-    repeat: int | None = None
+    max_input_seq_length: int | None = Field(None, ge=1)
+    chat_template_kwargs: dict[str, Any] | None = None
+    on_overlong: Literal["truncate", "error"] | None = None
+    """Prompts longer than max_input_seq_length: truncate with loss_multiplier 0 (counted), or error."""
+    split_validation_size: float | int | None = None
+    """Fraction (< 1) or count of rows carved off as validation, by `seed`."""
     seed: int | None = None
-    size: int | None = None
+    data_path: str | None = None
+    """Local JSONL/JSON/Parquet file, folder or glob (overrides the hub location)."""
+    train_data_path: str | None = None
+    val_data_path: str | None = None
+    input_key: str | None = None
+    output_key: str | None = None
+    subset: str | None = None
+    split: str | None = None
+    val_split: str | None = None
+    repeat: int | None = Field(None, ge=1)
+    size: int | None = Field(None, ge=1)
     """Synthetic datasets: number of rows."""
-    digits: int | None = None
+    digits: int | None = Field(None, ge=1)
     operations: list[str] | None = None
 
 
@@ -325,8 +338,8 @@ class DataConfig(Section):
     num_workers: int = Field(0, ge=0)
     """DataLoader worker processes."""
     default: DatasetConfig = DatasetConfig()
-    """Defaults filled into every dataset entry."""
-    train: DatasetConfig | list[DatasetConfig] = DatasetConfig()
+    """Defaults filled into every dataset entry (only the keys that apply to its kind)."""
+    train: DatasetConfig | list[DatasetConfig] = DatasetConfig(dataset_name="arithmetic")
     validation: DatasetConfig | list[DatasetConfig] | None = None
     use_multiple_dataloader: bool = False
     num_prompts_per_dataloader: int | None = None
