@@ -174,6 +174,8 @@ def test_score_equals_oracle(backend, request, oracle):
     assert max_abs_diff(scores, reference_logprobs(oracle, seqs, plens, TEMPERATURE)) < ATOL
     with pytest.raises(ValueError, match="prompt_len"):
         gen.score([[1, 2]], [0])
+    with pytest.raises(ValueError, match="at most max_model_len - 1"):
+        gen.score([[5] * MAX_MODEL_LEN], [1])
 
 
 @pytest.mark.parametrize("backend", ["vllm", "hf"])
@@ -182,7 +184,9 @@ def test_overlong_prompt_is_left_truncated_and_counted(backend, request):
     long_prompt = [3 + i % 60 for i in range(MAX_MODEL_LEN + 20)]
     before = gen.num_truncated_prompts
     results = gen.generate([long_prompt, PROMPTS[1]], SamplingSpec(greedy=True, max_new_tokens=8))
-    assert results[0].prompt_ids == long_prompt[-(MAX_MODEL_LEN - 8):]
+    # One position stays free so the finished sample can still be scored.
+    assert results[0].prompt_ids == long_prompt[-(MAX_MODEL_LEN - 8 - 1):]
+    assert len(results[0].prompt_ids) + len(results[0].response_ids) < MAX_MODEL_LEN
     assert results[1].prompt_ids == PROMPTS[1]
     assert gen.num_truncated_prompts == before + 1
 

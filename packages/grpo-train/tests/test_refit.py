@@ -18,10 +18,11 @@ from grpo_train.generation.vllm_worker_ext import serialize_weights
 from grpo_train.weight_sync import RefitMismatchError, check_refit, state_dict_for_refit
 
 TEMPERATURE = 0.7
-MAX_MODEL_LEN = 128
+MAX_MODEL_LEN = 256
 ATOL = 1e-4
-# Longer than a KV block, so a stale prefix cache after a refit would be hit.
-PROBE_PROMPTS = [[3 + (7 * i) % 60 for i in range(40)], [3 + (11 * i) % 60 for i in range(36)]]
+# Longer than one KV block (128 tokens on vLLM's CPU backend), so that a prefix cache kept from
+# the old weights would be hit after a refit.
+PROBE_PROMPTS = [[3 + (7 * i) % 60 for i in range(150)], [3 + (11 * i) % 60 for i in range(140)]]
 
 
 def build_tiny_model(path, seed: int = 0) -> None:

@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FINISH_REASONS = ("stop", "length")
+# vLLM scores a sequence as a prompt and must still generate one token after it, so a scored
+# sequence needs one free position in the context window; both backends keep the same limit.
+SCORE_RESERVE = 1
 
 
 @dataclass(frozen=True)
@@ -112,17 +115,20 @@ def logprob_temperature(sampling: SamplingSpec, temperature_for_logprobs: float)
 def fit_prompts(
     prompts: list[list[int]], max_model_len: int, max_new_tokens: int
 ) -> tuple[list[list[int]], int]:
-    """Left-truncate prompts so that prompt + max_new_tokens fits the context window.
+    """Left-truncate prompts so that prompt + max_new_tokens fits the context window with
+    `SCORE_RESERVE` positions to spare (so every finished sample can still be scored, see
+    `validate_score_inputs`).
 
     The tail of a prompt (the question's end, the assistant-turn marker) matters most for what
     is generated next, so the head is cut. Returns the fitted prompts and how many were cut, and
     warns with the count; an empty prompt or a window smaller than max_new_tokens is an error.
     """
-    budget = max_model_len - max_new_tokens
+    budget = max_model_len - max_new_tokens - SCORE_RESERVE
     if budget < 1:
         raise ValueError(
             f"max_new_tokens={max_new_tokens} leaves no room for a prompt in "
-            f"max_model_len={max_model_len}; lower max_new_tokens or raise max_model_len"
+            f"max_model_len={max_model_len} ({SCORE_RESERVE} position reserved for scoring); "
+            f"lower max_new_tokens or raise max_model_len"
         )
     fitted, cut = [], 0
     for i, prompt in enumerate(prompts):
@@ -134,9 +140,9 @@ def fit_prompts(
         fitted.append(list(prompt))
     if cut:
         logger.warning(
-            "%d of %d prompts were longer than max_model_len - max_new_tokens = %d tokens and "
-            "were left-truncated",
-            cut, len(prompts), budget,
+            "%d of %d prompts were longer than max_model_len - max_new_tokens - %d = %d tokens "
+            "and were left-truncated",
+            cut, len(prompts), SCORE_RESERVE, budget,
         )
     return fitted, cut
 
@@ -154,7 +160,8 @@ def validate_score_inputs(
             raise ValueError(
                 f"sequence {i}: prompt_len={plen} must be in [1, len(sequence)={len(seq)}]"
             )
-        if len(seq) > max_model_len:
+        if len(seq) > max_model_len - SCORE_RESERVE:
             raise ValueError(
-                f"sequence {i} has {len(seq)} tokens, more than max_model_len={max_model_len}"
+                f"sequence {i} has {len(seq)} tokens; score() takes at most max_model_len - "
+                f"{SCORE_RESERVE} = {max_model_len - SCORE_RESERVE}"
             )
