@@ -134,6 +134,18 @@ def test_top_k_top_p_restrict_sampling_but_not_logprobs(backend, request, oracle
             assert all(tok in top3[t].tolist() for t, tok in enumerate(seq[plen:]))
 
 
+@pytest.mark.parametrize("backend", ["vllm", "hf"])
+def test_reseed_repeats_samples(backend, request):
+    gen = request.getfixturevalue(f"{backend}_gen")
+    spec = SamplingSpec(temperature=1.0, max_new_tokens=10, n=2)
+    runs = []
+    for seed in (11, 12, 11):
+        gen.reseed(seed)
+        runs.append([r.response_ids for r in gen.generate(PROMPTS, spec)])
+    assert runs[0] == runs[2]
+    assert runs[0] != runs[1]
+
+
 def test_greedy_outputs_agree_between_vllm_and_hf(vllm_gen, hf_gen, oracle):
     spec = SamplingSpec(greedy=True, max_new_tokens=10)
     from_vllm = vllm_gen.generate(PROMPTS, spec)

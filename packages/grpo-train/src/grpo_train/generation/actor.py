@@ -72,6 +72,9 @@ class GenerationActor:
     def weight_version(self) -> int:
         return self.generator.weight_version()
 
+    def reseed(self, seed: int) -> None:
+        self.generator.reseed(seed)
+
     def num_truncated_prompts(self) -> int:
         return int(getattr(self.generator, "num_truncated_prompts", 0))
 

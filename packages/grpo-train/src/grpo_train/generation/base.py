@@ -104,6 +104,10 @@ class Generator(Protocol):
 
     def weight_version(self) -> int: ...
 
+    def reseed(self, seed: int) -> None:
+        """Restart the sampling random streams (the engine's, never per request)."""
+        ...
+
     def shutdown(self) -> None: ...
 
 

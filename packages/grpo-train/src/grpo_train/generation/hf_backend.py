@@ -168,6 +168,10 @@ class HFGenerator:
     def weight_version(self) -> int:
         return self._version
 
+    def reseed(self, seed: int) -> None:
+        """Restart the sampling random stream (see `VllmGenerator.reseed`)."""
+        self._rng.manual_seed(int(seed))
+
     def shutdown(self) -> None:
         self.model = None
 

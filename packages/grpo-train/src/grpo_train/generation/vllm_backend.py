@@ -179,6 +179,11 @@ class VllmGenerator:
     def weight_version(self) -> int:
         return self._version
 
+    def reseed(self, seed: int) -> None:
+        """Restart the engine's sampling random streams; the same seed, weights and prompts
+        then give the same samples (the loop reseeds every step so a resumed run repeats it)."""
+        self.llm.collective_rpc("grpo_reseed", args=(int(seed),))
+
     def shutdown(self) -> None:
         llm = getattr(self, "llm", None)
         if llm is None:

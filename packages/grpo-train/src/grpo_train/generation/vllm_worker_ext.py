@@ -5,7 +5,8 @@ dotted path, so it must stay importable without side effects) and called with
 `LLM.collective_rpc("<method>", args=...)`:
   - `grpo_load_weights`: reload new checkpoint-format weights (HF names) in place;
   - `grpo_set_logprob_temperature`: make the engine's logits, and so its logprobs, be
-    `logits / T`.
+    `logits / T`;
+  - `grpo_reseed`: restart the sampler's random streams (per-step seeding for exact resume).
 Boundary: knows vLLM internals of one version (0.32) and nothing about training; the trainer
 side (`VllmGenerator.update_weights`, `grpo_train.weight_sync`) decides what to send and when.
 
@@ -74,6 +75,13 @@ class GrpoWorkerExtension:
             logits_processor._grpo_base_scale = float(logits_processor.scale)
         logits_processor.scale = logits_processor._grpo_base_scale / temperature
         return logits_processor.scale
+
+    def grpo_reseed(self, seed: int) -> None:
+        """Re-seed the sampler's random streams (Python, numpy, torch on every device) the way
+        vLLM seeds them at start; requests themselves stay unseeded."""
+        from vllm.utils.torch_utils import set_random_seed
+
+        set_random_seed(int(seed))
 
     def grpo_logit_scale(self) -> float:
         return float(self.model_runner.get_model().logits_processor.scale)
