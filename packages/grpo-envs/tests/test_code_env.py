@@ -1,0 +1,141 @@
+"""Code env: test formats, rewards, and every hostile program scored 0 under the right metric."""
+
+import os
+
+import pytest
+
+import grpo_envs
+from grpo_envs.code_env import parse_tests, values_equal
+from grpo_envs.sandbox import DEFAULT_PRELOAD
+
+LIMITS = {"cpu_time_s": 1, "wall_time_s": 4, "memory_mb": 256, "max_processes": 8}
+# socket/subprocess preloaded: the audit hook, not a failed import, must stop those programs.
+ISOLATION = {"preload": list(DEFAULT_PRELOAD) + ["socket", "subprocess", "encodings.idna"]}
+ADD_TESTS = {"tests": [{"input": "1 2\n", "output": "3\n"}, {"input": "10 -4\n", "output": "6"},
+                       {"input": "0 0", "output": "0\n\n"}]}
+
+
+@pytest.fixture(scope="module")
+def env():
+    return grpo_envs.make("code", limits=LIMITS, isolation=ISOLATION)
+
+
+def _logs(responses):
+    return [[{"role": "user", "content": "Write a program."}, {"role": "assistant", "content": r}] for r in responses]
+
+
+def _fenced(code):
+    return f"Here is my solution:\n```python\n{code}\n```\nIt reads two numbers."
+
+
+def test_stdin_stdout_solutions(env):
+    right = _fenced("a, b = map(int, input().split())\nprint(a + b)")
+    off_by_one_on_zero = _fenced("a, b = map(int, input().split())\nprint(a + b if a else 1)")
+    unfenced = "a, b = map(int, input().split())\nprint(a + b)"
+    out = env.step(_logs([right, off_by_one_on_zero, unfenced, ""]), [ADD_TESTS] * 4)
+    assert out.rewards == [1.0, pytest.approx(2 / 3), 1.0, 0.0]
+    assert [m["status"] for m in out.metadata] == ["passed", "wrong_answer", "passed", "no_code"]
+    assert out.metrics["pass_rate"] == pytest.approx((1 + 2 / 3 + 1 + 0) / 4)
+    assert out.metrics["accuracy"] == 0.5
+    assert out.metrics["wrong_answers"] == 1.0
+    assert out.metrics["no_code"] == 1.0
+    assert out.metrics["tests_run"] == 9.0
+
+
+def test_function_call_solutions(env):
+    info = {"fn_name": "solve", "tests": [{"args": [[3, 1, 2]], "expected": [1, 2, 3]},
+                                          {"args": [[]], "expected": []},
+                                          {"args": [[2.5, 1]], "kwargs": {}, "expected": [1, 2.5000000001]}]}
+    plain = _fenced("def solve(xs):\n    return sorted(xs)")
+    leetcode = _fenced("class Solution:\n    def solve(self, xs):\n        return tuple(sorted(xs))")
+    wrong = _fenced("def solve(xs):\n    return xs")
+    missing = _fenced("def other(xs):\n    return xs")
+    out = env.step(_logs([plain, leetcode, wrong, missing]), [info] * 4)
+    assert out.rewards == [1.0, 1.0, pytest.approx(1 / 3), 0.0]
+    assert out.metadata[3]["status"] == "runtime_error" and "defines no function 'solve'" in out.metadata[3]["error"]
+
+
+def test_apps_format(env):
+    stdin_row = {"input_output": '{"inputs": ["2\\n", "5\\n"], "outputs": ["4\\n", "25\\n"]}'}
+    call_row = {"input_output": {"inputs": [[2, 3], [0, 0]], "outputs": [[5], [0]], "fn_name": "add"}}
+    out = env.step(_logs([_fenced("n = int(input())\nprint(n * n)"), _fenced("def add(a, b):\n    return a + b")]),
+                   [stdin_row, call_row])
+    assert out.rewards == [1.0, 1.0]
+
+
+def test_all_or_nothing_stops_early():
+    env = grpo_envs.make("code", all_or_nothing=True, limits=LIMITS)
+    half = _fenced("a, b = map(int, input().split())\nprint(a + b if b > 0 else -1)")
+    out = env.step(_logs([half]), [ADD_TESTS])
+    assert out.rewards == [0.0]
+    assert out.metadata[0]["tests"] == ["passed", "wrong_answer"]  # the third test was skipped
+
+
+HOSTILE = [
+    ("infinite loop", "while True:\n    pass", "timeouts"),
+    ("fork bomb", "import os\nwhile True:\n    os.fork()", "violations"),
+    ("memory bomb", "x = bytearray(2 ** 34)", "memory_errors"),
+    ("write outside", "open('/grpo-code-env-pwned.txt', 'w').write('x')", "violations"),
+    ("read a file", "print(open('/etc/passwd').read())", "violations"),
+    ("socket", "import socket\nsocket.create_connection(('127.0.0.1', 22))", "violations"),
+    ("print 100 MB", "import sys\nsys.stdout.write('1' * 100_000_000)", "output_limits"),
+    ("kill the parent", "import os\nos.kill(os.getppid(), 9)", "violations"),
+    ("deep recursion", "def f(n):\n    return f(n + 1)\nf(0)", "runtime_errors"),
+    ("exit code", "import sys\nprint(3)\nsys.exit(1)", "runtime_errors"),
+]
+
+
+@pytest.mark.parametrize(("name", "program", "metric"), HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_programs_score_zero(env, name, program, metric):
+    out = env.step(_logs([_fenced(program)]), [{"tests": [{"input": "1 2\n", "output": "3\n"}]}])
+    assert out.rewards == [0.0]
+    assert out.metrics[metric] == 1.0, (out.metadata[0], out.metrics)
+    others = {k: v for k, v in out.metrics.items() if k.endswith("s") and k not in (metric, "tests_run", "pass_rate")}
+    assert all(v == 0.0 for v in others.values()), others
+    assert not os.path.exists("/grpo-code-env-pwned.txt")
+
+
+def test_hostile_batch_leaves_the_env_working(env):
+    programs = [h[1] for h in HOSTILE] + ["print(3)"]
+    out = env.step(_logs([_fenced(p) for p in programs]), [{"tests": [{"output": "3"}]}] * len(programs))
+    assert out.rewards == [0.0] * len(HOSTILE) + [1.0]
+    assert out.metrics["violations"] == 5.0
+
+
+def test_parallel_runs_match_sequential():
+    programs = [_fenced("a, b = map(int, input().split())\nprint(a + b)"), _fenced("print(0)"), "while True: pass"]
+    infos = [ADD_TESTS, ADD_TESTS, {"tests": [{"input": "1 2", "output": "3"}]}]
+    seq = grpo_envs.make("code", limits=LIMITS).step(_logs(programs), infos)
+    par = grpo_envs.make("code", limits=LIMITS, max_parallel=3).step(_logs(programs), infos)
+    assert par.rewards == seq.rewards == [1.0, pytest.approx(1 / 3), 0.0]
+
+
+def test_bad_tests_are_clear_errors():
+    with pytest.raises(ValueError, match="sample 2: env_info needs 'tests' or 'input_output'"):
+        parse_tests({"ground_truth": "3"}, 2)
+    with pytest.raises(ValueError, match="test 0: a function-call test needs 'expected'"):
+        parse_tests({"tests": [{"fn_name": "f", "args": []}]})
+    with pytest.raises(ValueError, match="equally long"):
+        parse_tests({"input_output": {"inputs": ["1"], "outputs": []}})
+    with pytest.raises(TypeError, match="unknown limits keys \\['cpu'\\]"):
+        grpo_envs.make("code", limits={"cpu": 1})
+
+
+@pytest.mark.parametrize(
+    ("got", "expected", "equal"),
+    [([1, 2], (1, 2), True), (0.1 + 0.2, 0.3, True), (1, 1.0, True), (True, 1, False), ({"a": [1]}, {"a": (1,)}, True),
+     ("1", 1, False), ([1, 2], [2, 1], False), (None, None, True), (1e-12, 0, True), (1.0, 1.001, False)],
+)
+def test_values_equal(got, expected, equal):
+    assert values_equal(got, expected) is equal
+
+
+def test_code_env_on_ray(ray_session):
+    from grpo_envs.pool import EnvPool
+
+    programs = [_fenced("a, b = map(int, input().split())\nprint(a + b)"), _fenced("import os\nos.kill(os.getppid(), 9)")]
+    with EnvPool("code", {"limits": LIMITS}, num_workers=2) as pool:
+        out = pool.step(_logs(programs), [ADD_TESTS] * 2)
+    assert out.rewards == [1.0, 0.0]
+    assert out.metrics["violations"] == 3.0  # each of the three tests tried
+    assert out.metrics["env/actor_restarts"] == 0.0
