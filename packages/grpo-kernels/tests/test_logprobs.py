@@ -148,3 +148,20 @@ def test_error_no_worse_than_eager_in_the_same_dtype():
 def test_bad_input_names_the_argument(logits, targets, name):
     with pytest.raises(ValueError, match=name):
         K.token_logprobs(logits, targets)
+
+
+def test_masked_vocabulary_with_minus_inf_logits():
+    logits, targets = make(4, 37, torch.float64, scale=1.0)
+    logits[:, 30:] = -float("inf")
+    logits[0, :16] = -float("inf")  # the whole first block of row 0
+    targets = targets % 16 + torch.tensor([16, 0, 0, 0])
+    x = logits.clone().requires_grad_()
+    lp, ent = K.TokenLogprobsFunction.apply(x, targets, 0.9, IGNORE, True, 16)
+    (lp.sum() + ent.sum()).backward()
+    y = logits.clone().requires_grad_()
+    ref_lp, ref_ent = R.token_logprobs(y, targets, 0.9, True)
+    (ref_lp.sum() + ref_ent.sum()).backward()
+    torch.testing.assert_close(lp, ref_lp, rtol=0, atol=1e-12)
+    torch.testing.assert_close(ent, ref_ent, rtol=0, atol=1e-12)
+    assert torch.isfinite(x.grad).all()
+    torch.testing.assert_close(x.grad, y.grad, rtol=0, atol=1e-12)

@@ -308,3 +308,23 @@ def test_linear_bad_input_names_the_argument(hidden, weight, name):
         R.linear_token_logprobs(hidden, weight, torch.tensor([0, 1, 2, 3]))
     with pytest.raises(ValueError, match="target_ids"):
         R.linear_token_logprobs(torch.zeros(4, 8), torch.zeros(11, 8), torch.tensor([0, 1, 2, 11]))
+
+
+def test_masked_vocabulary_with_minus_inf_logits():
+    """-inf logits (a masked vocabulary) have p = 0: finite entropy and gradients."""
+    logits, targets = make(5, 37, torch.float64, scale=1.0)
+    logits[:, 30:] = -float("inf")
+    logits[0, :20] = -float("inf")  # a whole leading block masked
+    targets = targets % 20 + torch.tensor([20, 0, 0, 0, 0])
+    x = logits.clone().requires_grad_()
+    lp, ent = R.token_logprobs(x, targets, 0.8, True, chunk_size=2)
+    finite = logits[:, :30].clone()
+    finite[0, :20] = -1e4  # exp underflows to exactly 0, like -inf
+    ref_lp, ref_ent = naive(finite, targets, 0.8)
+    torch.testing.assert_close(lp, ref_lp, rtol=0, atol=1e-12)
+    torch.testing.assert_close(ent, ref_ent, rtol=0, atol=1e-12)
+    (lp.sum() + ent.sum()).backward()
+    y = finite.clone().requires_grad_()
+    sum(naive(y, targets, 0.8)).sum().backward()
+    assert torch.isfinite(x.grad).all() and (x.grad[:, 30:] == 0).all()
+    torch.testing.assert_close(x.grad[:, :30], y.grad, rtol=0, atol=1e-12)

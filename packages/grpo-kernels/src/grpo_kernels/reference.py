@@ -128,7 +128,9 @@ def _chunk_forward(z: torch.Tensor, targets: torch.Tensor, ignore_index: int, wa
     entropy = None
     if want_entropy:
         logp = z.sub_(lse[:, None])  # [C, V], in place: z is not needed any more
-        entropy = -logp.exp().mul_(logp).sum(-1)
+        p = logp.exp()
+        # -inf logits (masked vocabulary) have p = 0 and contribute 0, not 0 * -inf
+        entropy = -p.mul_(logp.clamp_(min=torch.finfo(logp.dtype).min)).sum(-1)
         entropy = torch.where(ignored, 0.0, entropy)
     return logprob, entropy, lse
 
@@ -145,6 +147,7 @@ def _chunk_grad(
     ignored = targets == ignore_index
     logp = z.sub_(lse[:, None])  # [C, V]
     p = logp.exp()
+    logp.clamp_(min=torch.finfo(logp.dtype).min)  # -inf logits: p = 0, keep 0 * log p finite
     g_lp = None if grad_logprob is None else torch.where(ignored, 0.0, grad_logprob.to(p.dtype))
     if grad_entropy is not None:
         g_ent = torch.where(ignored, 0.0, grad_entropy.to(p.dtype))
@@ -420,7 +423,7 @@ def kl_estimate(logr: torch.Tensor, kl_type: str) -> torch.Tensor:
     raise ValueError(f"kl_type={kl_type!r}: expected 'k1', 'k2' or 'k3'")
 
 
-def _as_count(value, name: str, device, dtype) -> torch.Tensor:
+def global_count(value, name: str, device, dtype) -> torch.Tensor:
     """Global count as a 0-dim tensor, floored at 1 so an all-masked global batch gives 0."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
@@ -521,8 +524,8 @@ def clipped_pg_loss(
     seq_id, valid = token_layout(curr, token_mask, sample_mask, n_seqs, cu)
     cfg = config
     wd = work_dtype(curr.dtype)
-    g_tok = _as_count(global_valid_tokens, "global_valid_tokens", curr.device, wd)
-    g_seq = _as_count(global_valid_seqs, "global_valid_seqs", curr.device, wd)
+    g_tok = global_count(global_valid_tokens, "global_valid_tokens", curr.device, wd)
+    g_seq = global_count(global_valid_seqs, "global_valid_seqs", curr.device, wd)
 
     def clean(t: torch.Tensor) -> torch.Tensor:  # [N], zero where invalid (grad too)
         return torch.where(valid, t.reshape(-1).to(wd), 0.0)

@@ -47,11 +47,13 @@ def _token_logprobs_fwd_kernel(
             in_row = cols < n_cols
             z = tl.load(row_ptr + cols, mask=in_row, other=-float("inf")).to(ACC) / temperature
             m_new = tl.maximum(m, tl.max(z, 0))
-            scale = tl.exp(m - m_new)
-            e = tl.exp(z - m_new)
+            # While only -inf logits were seen (masked vocabulary), shift by 0, not by -inf.
+            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+            scale = tl.exp(m - m_safe)
+            e = tl.exp(z - m_safe)
             if RETURN_ENTROPY:
-                shift = s * tl.where(s > 0, m - m_new, 0.0)  # re-base old terms on m_new
-                a = scale * (a + shift) + tl.sum(e * tl.where(in_row, z - m_new, 0.0), 0)
+                shift = s * tl.where(s > 0, m - m_safe, 0.0)  # re-base old terms on m_new
+                a = scale * (a + shift) + tl.sum(e * tl.where(e > 0, z - m_safe, 0.0), 0)
             s = s * scale + tl.sum(e, 0)
             m = m_new
         log_s = tl.log(s)
@@ -97,6 +99,7 @@ def _token_logprobs_bwd_kernel(
             z = tl.load(row_ptr + cols, mask=in_row, other=0.0).to(ACC) / temperature
             logp = z - lse
             p = tl.exp(logp)
+            logp = tl.where(p > 0, logp, 0.0)  # -inf logits: p = 0, no 0 * -inf
             grad = -p * (g_lp + g_ent * (logp + entropy))
             grad = tl.where(cols == target, grad + g_lp, grad)
             tl.store(out_ptr + cols, grad / temperature, mask=in_row)

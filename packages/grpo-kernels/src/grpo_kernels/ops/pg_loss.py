@@ -359,7 +359,7 @@ def _mask_bytes(mask: torch.Tensor) -> torch.Tensor:
 def _count(value, name: str):
     """Global count as a Python float or a 0-dim tensor, floored at 1 (no host sync)."""
     if isinstance(value, torch.Tensor):
-        return R._as_count(value, name, value.device, torch.float64 if value.dtype == torch.float64 else torch.float32)
+        return R.global_count(value, name, value.device, torch.float64 if value.dtype == torch.float64 else torch.float32)
     if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise ValueError(f"{name}={value!r}: expected a non-negative count of the global batch")
     return max(float(value), 1.0)
