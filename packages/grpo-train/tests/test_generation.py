@@ -176,6 +176,24 @@ def test_stop_token_ends_sample_in_both_backends(vllm_gen, hf_gen):
         assert result.finish_reason == "stop"
 
 
+def test_stop_string_ends_sample_in_both_backends(vllm_gen, hf_gen):
+    prompts = [[20, 30, 40, 50, 8], [3, 4, 5]]
+    free = vllm_gen.generate(prompts, SamplingSpec(greedy=True, max_new_tokens=12))
+    stop = free[0].text[3:5]  # two characters from the middle of the first greedy answer
+    spec = SamplingSpec(greedy=True, max_new_tokens=12, stop_strings=(stop,))
+    from_vllm, from_hf = vllm_gen.generate(prompts, spec), hf_gen.generate(prompts, spec)
+    for got in (from_vllm, from_hf):
+        first = got[0]
+        assert first.finish_reason == "stop"
+        assert first.text == free[0].text[: free[0].text.index(stop)]
+        # Generation stops at the token that completes the string; that token is kept.
+        assert first.response_ids == free[0].response_ids[: len(first.response_ids)]
+        assert stop in "".join(hf_gen.tokenizer.decode(first.response_ids))
+    assert [r.response_ids for r in from_vllm] == [r.response_ids for r in from_hf]
+    assert [r.text for r in from_vllm] == [r.text for r in from_hf]
+    assert [r.finish_reason for r in from_vllm] == [r.finish_reason for r in from_hf]
+
+
 @pytest.mark.parametrize("backend", ["vllm", "hf"])
 def test_score_equals_oracle(backend, request, oracle):
     gen = request.getfixturevalue(f"{backend}_gen")

@@ -89,7 +89,6 @@ class HFGenerator:
             num_return_sequences=sampling.n,
             eos_token_id=sorted(stop_ids) or None,
             pad_token_id=self.pad_id,
-            stop_strings=list(sampling.stop_strings) or None,
             output_logits=True,
             return_dict_in_generate=True,
         )
@@ -101,7 +100,7 @@ class HFGenerator:
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 generation_config=config,
-                tokenizer=self.tokenizer if sampling.stop_strings else None,
+                stopping_criteria=self._stop_string_criteria(sampling, input_ids.shape[1]),
             )
             self._rng.set_state(torch.random.get_rng_state())
         new_tokens = out.sequences[:, input_ids.shape[1]:].cpu()  # [B*n, L]
@@ -185,6 +184,23 @@ class HFGenerator:
             ids[i, width - len(prompt):] = torch.tensor(prompt)
             mask[i, width - len(prompt):] = 1
         return ids.to(self.device), mask.to(self.device)
+
+    def _stop_string_criteria(self, sampling: SamplingSpec, prompt_width: int):
+        """Stop a row once its RESPONSE text contains a stop string. HF's own `stop_strings`
+        also match across the prompt/response boundary, which vLLM never does."""
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        if not sampling.stop_strings:
+            return None
+        tokenizer, stops = self.tokenizer, sampling.stop_strings
+
+        class _ResponseStopStrings(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs):
+                texts = tokenizer.batch_decode(input_ids[:, prompt_width:], skip_special_tokens=True)
+                done = [any(stop in text for stop in stops) for text in texts]
+                return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+        return StoppingCriteriaList([_ResponseStopStrings()])
 
     def _response_length(
         self, tokens: list[int], stop_ids: set[int], sampling: SamplingSpec
