@@ -1,10 +1,12 @@
 // O(n log n) bin packing. Items are ordered once (counting sort when lengths are small,
 // which they are: they are bounded by the bin capacity). First fit uses a max segment tree
-// over bin residuals to find the leftmost bin with room; best fit an ordered set of
-// (residual, bin); MFFD's class phases use "next/previous remaining item" union-find arrays.
+// over bin residuals to find the leftmost bin with room; best fit buckets bins by residual
+// under a hierarchical bitset (an ordered set of (residual, bin) for huge capacities); MFFD's
+// class phases use "next/previous remaining item" union-find arrays.
 #include "packing.h"
 
 #include <algorithm>
+#include <functional>
 #include <numeric>
 #include <set>
 #include <stdexcept>
@@ -146,6 +148,100 @@ class RemainingSet {
   std::vector<int64_t> next_, prev_;
 };
 
+// Hierarchical bitset over [0, universe): insert, erase and "smallest member >= x" in
+// O(log64 universe) word operations.
+class SuccessorSet {
+ public:
+  explicit SuccessorSet(int64_t universe) {
+    int64_t words = universe;
+    do {
+      words = (words + 63) / 64;
+      levels_.emplace_back(static_cast<size_t>(words), 0);
+    } while (words > 1);
+  }
+  void insert(int64_t x) {
+    for (auto& level : levels_) {
+      level[static_cast<size_t>(x >> 6)] |= uint64_t{1} << (x & 63);
+      x >>= 6;
+    }
+  }
+  void erase(int64_t x) {
+    for (auto& level : levels_) {
+      uint64_t& word = level[static_cast<size_t>(x >> 6)];
+      word &= ~(uint64_t{1} << (x & 63));
+      if (word) break;  // the parent bit stays set while this word has members
+      x >>= 6;
+    }
+  }
+  int64_t next(int64_t x) const {  // -1 when none
+    size_t level = 0;
+    for (;; ++level) {
+      if (level == levels_.size()) return -1;
+      const int64_t w = x >> 6;
+      if (w >= static_cast<int64_t>(levels_[level].size())) return -1;
+      const uint64_t bits = levels_[level][static_cast<size_t>(w)] & (~uint64_t{0} << (x & 63));
+      if (bits) {
+        x = (w << 6) | __builtin_ctzll(bits);
+        break;
+      }
+      x = w + 1;  // first word after w, in the level above
+    }
+    while (level > 0) {
+      --level;
+      x = (x << 6) | __builtin_ctzll(levels_[level][static_cast<size_t>(x)]);
+    }
+    return x;
+  }
+
+ private:
+  std::vector<std::vector<uint64_t>> levels_;
+};
+
+// Best fit over integer residuals: bins bucketed by residual, a SuccessorSet of the non-empty
+// buckets, and a min-heap of bin numbers per bucket for the "lowest bin" tie rule. Memory is
+// O(capacity), so it is used when the capacity is not much larger than the item count.
+class BestFitBuckets {
+ public:
+  explicit BestFitBuckets(int64_t capacity) : nonempty_(capacity + 1), slot_(static_cast<size_t>(capacity) + 1, -1) {}
+  // Bin with the smallest residual >= need (lowest number among those), removed; -1 if none.
+  std::pair<int64_t, int64_t> take(int64_t need) {
+    const int64_t residual = nonempty_.next(need);
+    if (residual < 0) return {-1, -1};
+    std::vector<int64_t>& heap = heaps_[static_cast<size_t>(slot_[static_cast<size_t>(residual)])];
+    std::pop_heap(heap.begin(), heap.end(), std::greater<int64_t>());
+    const int64_t bin = heap.back();
+    heap.pop_back();
+    if (heap.empty()) {
+      free_.push_back(slot_[static_cast<size_t>(residual)]);
+      slot_[static_cast<size_t>(residual)] = -1;
+      nonempty_.erase(residual);
+    }
+    return {bin, residual};
+  }
+  void put(int64_t bin, int64_t residual) {
+    int32_t& s = slot_[static_cast<size_t>(residual)];
+    if (s < 0) {
+      if (free_.empty()) {
+        s = static_cast<int32_t>(heaps_.size());
+        heaps_.emplace_back();
+      } else {
+        s = free_.back();
+        free_.pop_back();
+      }
+      nonempty_.insert(residual);
+    }
+    std::vector<int64_t>& heap = heaps_[static_cast<size_t>(s)];
+    heap.push_back(bin);
+    std::push_heap(heap.begin(), heap.end(), std::greater<int64_t>());
+  }
+
+ private:
+  SuccessorSet nonempty_;
+  std::vector<int32_t> slot_;  // residual -> heap index, -1 when no bin has that residual
+  std::vector<std::vector<int64_t>> heaps_;
+  std::vector<int32_t> free_;
+};
+
 }  // namespace
 
 std::vector<int64_t> pack_first_fit_decreasing(const int64_t* lengths, int64_t n, int64_t capacity) {
@@ -160,9 +256,25 @@ std::vector<int64_t> pack_first_fit_decreasing(const int64_t* lengths, int64_t n
 std::vector<int64_t> pack_best_fit_decreasing(const int64_t* lengths, int64_t n, int64_t capacity) {
   const int64_t longest = check_lengths(lengths, n, capacity);
   std::vector<int64_t> bin_of(static_cast<size_t>(n), -1);
-  std::set<std::pair<int64_t, int64_t>> open;  // (residual, bin); (residual, bin) pairs are unique
+  if (n == 0) return bin_of;
+  const std::vector<int64_t> order = order_decreasing(lengths, n, longest);
   int64_t n_bins = 0;
-  for (int64_t item : order_decreasing(lengths, n, longest)) {
+  if (capacity <= std::min<int64_t>(16 * n + 65536, int64_t{1} << 26)) {
+    BestFitBuckets open(capacity);
+    for (int64_t item : order) {
+      const int64_t len = lengths[item];
+      auto [bin, residual] = open.take(len);
+      if (bin < 0) {
+        bin = n_bins++;
+        residual = capacity;
+      }
+      open.put(bin, residual - len);
+      bin_of[static_cast<size_t>(item)] = bin;
+    }
+    return bin_of;
+  }
+  std::set<std::pair<int64_t, int64_t>> open;  // (residual, bin); (residual, bin) pairs are unique
+  for (int64_t item : order) {
     const int64_t len = lengths[item];
     auto it = open.lower_bound({len, -1});  // smallest residual >= len, then lowest bin
     int64_t bin, residual;

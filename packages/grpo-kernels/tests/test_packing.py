@@ -169,6 +169,20 @@ def test_cpp_matches_twin_on_a_larger_mixed_batch():
         assert np.array_equal(cpp, assign_bins(lengths, 4096, algorithm, implementation="python"))
 
 
+@needs_ext
+@pytest.mark.parametrize("capacity", [10**6, 10**12, 2**62])
+def test_cpp_matches_twin_with_huge_capacities(capacity):
+    # Capacities far above the item count take the other code paths in csrc/packing.cpp:
+    # comparison sorts instead of the counting sort, an ordered set instead of residual buckets.
+    rng = random.Random(capacity % 1000)
+    for _ in range(60):
+        n = rng.randint(1, 40)
+        lengths = [rng.choice([capacity, capacity // 2, capacity // 3 + 1, rng.randint(0, capacity)]) for _ in range(n)]
+        for algorithm in PACKERS:
+            cpp = assign_bins(lengths, capacity, algorithm, implementation="cpp")
+            assert cpp.tolist() == assign_bins(lengths, capacity, algorithm, implementation="python").tolist()
+
+
 @pytest.mark.parametrize("implementation", ["python", pytest.param("cpp", marks=needs_ext)])
 def test_modified_ffd_phases_by_hand(implementation):
     # C = 60: large 35 and 31 (rooms 25, 29), smalls 17, 12, 11, no medium. Phase 3 goes backward:
