@@ -91,11 +91,16 @@ def base_model(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
+_LIVE_ENGINES: list[VllmGenerator] = []  # so the Ray test can stop this module's engine first
+
+
 @pytest.fixture(scope="module")
 def vllm_gen(model_dir):
     gen = VllmGenerator(model_dir, max_model_len=MAX_MODEL_LEN, temperature_for_logprobs=TEMPERATURE)
+    _LIVE_ENGINES.append(gen)
     yield gen
     gen.shutdown()
+    _LIVE_ENGINES.remove(gen)
 
 
 def direct(generator):
@@ -193,10 +198,11 @@ def test_hf_generator_refit_takes_effect(model_dir, base_model):
 
 
 @pytest.mark.slow
-def test_generation_actors_through_ray(ray_session, vllm_gen, model_dir, base_model):
-    """generate / update_weights / score via .remote() on a vLLM actor, then an HF actor."""
+def test_generation_actors_through_ray(ray_session, model_dir, base_model):
+    """generate / update_weights / score / reseed via .remote() on a vLLM actor, then an HF one."""
     ray = ray_session
-    vllm_gen.shutdown()  # one engine at a time: this module's in-process engine goes first
+    for engine in _LIVE_ENGINES:  # one engine at a time: this module's in-process one goes first
+        engine.shutdown()
     for backend in ("vllm", "hf"):
         start = time.perf_counter()
         actor = make_generation_actor(
@@ -209,6 +215,12 @@ def test_generation_actors_through_ray(ray_session, vllm_gen, model_dir, base_mo
                   f"(generator start {engine_seconds:.1f} s)")
             measured = check_refit_takes_effect(through_ray(ray, actor), base_model, 1, seed=1)
             report(f"{backend} through Ray", measured)
+            spec = SamplingSpec(temperature=1.0, max_new_tokens=8, n=2)
+            runs = []
+            for _ in range(2):
+                ray.get(actor.reseed.remote(5))
+                runs.append([r.response_ids for r in ray.get(actor.generate.remote(PROBE_PROMPTS, spec))])
+            assert runs[0] == runs[1]
             ray.get(actor.shutdown.remote())
         finally:
             ray.kill(actor)
