@@ -255,3 +255,33 @@ def test_caught_violation_still_fails():
     program = "try:\n    open('/etc/passwd').read()\nexcept PermissionError:\n    pass\nprint('fine')"
     r = run_python(program, limits=FAST)
     assert r.status == "violation"
+
+
+def test_runs_do_not_share_state():
+    """Each run is a fresh fork of the zygote: fresh randomness, globals and modules."""
+    program = "import random, math\nmath.pi = 3\nprint(random.random())"
+    first, second = (run_python(program, limits=FAST) for _ in range(2))
+    assert first.status == second.status == "ok"
+    assert first.stdout != second.stdout
+    assert run_python("import math\nprint(math.pi)", limits=FAST).stdout.startswith("3.14159")
+
+
+def test_a_dead_zygote_is_replaced():
+    from grpo_envs.sandbox import runner
+
+    assert run_python("print(1)", limits=FAST).status == "ok"
+    zygote = runner._zygote(Isolation())
+    zygote.proc.kill()
+    zygote.proc.wait()
+    r = run_python("print(2)", limits=FAST)
+    assert (r.status, r.stdout) == ("ok", "2\n")
+    assert runner._zygote(Isolation()) is not zygote
+
+
+def test_concurrent_runs_keep_their_own_io():
+    from concurrent.futures import ThreadPoolExecutor
+
+    program = "import sys\nn = int(sys.stdin.read())\nprint(n * n)"
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda n: run_python(program, stdin=str(n), limits=FAST), range(12)))
+    assert [r.stdout for r in results] == [f"{n * n}\n" for n in range(12)]

@@ -1,8 +1,10 @@
 """Sandboxed execution of untrusted Python (model-written solutions).
 
-Each run is a fresh child process in its own session and process group, with a scrubbed
+Each run is a fresh process in its own session and process group, forked from a pre-loaded
+zygote (one per host process, started on first use; see ``child.py``), with a scrubbed
 environment, stdin from a file, stdout/stderr read by the parent under a size cap, and a hard
-wall-clock deadline after which the whole group is killed. Inside, before the solution's first
+wall-clock deadline after which the whole group is killed. The zygote only saves start-up time
+(~100 ms of imports per run); every isolation layer is applied per run, after the fork. Inside, before the solution's first
 line, the child applies the layers below; each is used where the machine allows it, the
 result says which were in place (``SandboxResult.isolation``), and ``Isolation.require``
 makes any of them mandatory.

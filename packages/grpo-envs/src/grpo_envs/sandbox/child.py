@@ -1,19 +1,27 @@
-"""Sandbox child: set up the jail, then run the untrusted solution. Standard library only.
+"""Sandbox child side: a zygote that forks one jailed process per run. Standard library only.
 
-Started by :func:`grpo_envs.sandbox.runner.run_python` as ``python -I child.py JOB.json`` with
-stdin already connected to the test input and a result pipe open. This file is trusted code:
-everything up to ``_run_solution`` happens before a single line of the solution runs.
+Process tree, all started by :mod:`grpo_envs.sandbox.runner`:
 
-Order matters:
+- **zygote** (``python -I [-S] child.py --zygote FD PRELOAD_JSON``, one per host process and
+  preload list): imports the modules solutions commonly use, once, then waits on a Unix socket
+  for requests (a job file and four fds: stdin, stdout, stderr, result). For each it forks:
+- **monitor** (root when the host is root): its own session and process group (the group the
+  runner kills), the four fds as 0/1/2/3 and nothing else; it forks the run, waits for it and
+  writes its exit status to the result pipe;
+- **run**: sets up the jail, then runs the untrusted solution. Everything up to
+  ``_run_solution`` is trusted code that runs before a single line of the solution:
+
 1. read the job (source, mode, limits) while still able to read the run folder;
-2. import the modules solutions commonly use (after the uid drop the interpreter's own install
-   may be unreadable, e.g. a Python under /root);
-3. new network namespace (no interfaces but a downed loopback); as root also a new mount
+2. new network namespace (no interfaces but a downed loopback); as root also a new mount
    namespace with fresh size-limited tmpfs mounts on /tmp, /var/tmp and /dev/shm, /tmp being
    the working directory;
-4. resource limits; 5. drop to the job's fresh uid (root only); no new privileges;
-6. the audit hook (Python-level policy, defence in depth);
-7. run the solution and write one JSON line to the result pipe.
+3. resource limits; 4. drop to the job's fresh uid (root only); no new privileges;
+5. the audit hook (Python-level policy, defence in depth);
+6. run the solution and write one JSON line to the result pipe.
+
+The zygote exists for speed: importing the preloaded modules costs ~100 ms per process, a
+fork ~1 ms. They must be imported before the uid drop anyway, because the interpreter's own
+install may be unreadable to the fresh uid (e.g. a Python under /root).
 """
 
 from __future__ import annotations
@@ -63,13 +71,77 @@ class SandboxViolation(PermissionError):
     """Raised by the audit hook when the solution attempts a forbidden operation."""
 
 
-def main() -> None:
-    with open(sys.argv[1], encoding="utf-8") as f:
-        job = json.load(f)
-    result_fd = job["result_fd"]
+RESULT_FD = 3
+_REQUEST_BYTES = 4096
+
+
+def serve(sock_fd: int, preload: list[str]) -> None:
+    """Zygote loop: preload, then fork a monitor per request until the runner hangs up."""
+    import random
+    import socket
+
+    _preload(preload)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # monitors are reaped by the kernel
+    sock = socket.socket(fileno=sock_fd)
+    sock.send(b'{"ready": true}')
+    while True:
+        try:
+            data, fds, _, _ = socket.recv_fds(sock, _REQUEST_BYTES, 4)
+        except OSError:
+            return
+        if not data:
+            return  # the runner's process is gone
+        if len(fds) != 4:
+            for fd in fds:
+                os.close(fd)
+            sock.send(b'{"error": "expected 4 fds"}')
+            continue
+        pid = os.fork()
+        if pid == 0:
+            try:
+                _monitor(data.decode(), fds, sock, random)
+            finally:
+                os._exit(70)
+        for fd in fds:
+            os.close(fd)
+        sock.send(json.dumps({"pid": pid}).encode())
+
+
+def _monitor(job_path: str, fds: list[int], zygote_sock, random_module) -> None:
+    os.setsid()
+    zygote_sock.close()
+    stdin, stdout, stderr, result = fds
+    for fd, target in ((stdin, 0), (stdout, 1), (stderr, 2), (result, RESULT_FD)):
+        os.dup2(fd, target)
+    os.closerange(RESULT_FD + 1, _max_fd())
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    pid = os.fork()
+    if pid == 0:
+        random_module.seed()  # each run gets fresh randomness, not the zygote's state
+        _run(job_path)  # never returns
+    for fd in (0, 1, 2):  # only the run may hold the pipes: EOF means it (and its children) ended
+        os.close(fd)
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+            break
+        except InterruptedError:
+            continue
+    _report(RESULT_FD, {"exit_status": os.waitstatus_to_exitcode(status)})
+    os._exit(0)
+
+
+def _max_fd() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft if soft != resource.RLIM_INFINITY else 65536
+
+
+def _run(job_path: str) -> None:
     isolation = {"uid": False, "netns": False, "mountns": False, "audit": False}
     try:
-        _preload(job["preload"])
+        with open(job_path, encoding="utf-8") as f:
+            job = json.load(f)
+        _fresh_std_streams()
         workdir = _isolate(job, isolation)
         _set_limits(job["limits"], own_uid=job["uid"] is not None)
         if job["uid"] is not None:
@@ -83,15 +155,28 @@ def main() -> None:
             isolation["audit"] = True
         _check_required(job["require"], isolation)
     except BaseException as exc:  # noqa: BLE001 - any set-up failure is the sandbox's, not the solution's
-        _report(result_fd, {"status": "sandbox_error", "error": _describe(exc), "isolation": isolation})
+        _report(RESULT_FD, {"status": "sandbox_error", "error": _describe(exc), "isolation": isolation})
         os._exit(2)
     reply = _run_solution(job)
     if violations:
         reply = {"status": "violation", "error": "; ".join(dict.fromkeys(violations))[:_ERROR_CHARS]}
     reply["isolation"] = isolation
     _flush_std()
-    _report(result_fd, reply)
+    _report(RESULT_FD, reply)
     os._exit(0)
+
+
+def _fresh_std_streams() -> None:
+    """Text streams over the run's fds 0/1/2 (the zygote's objects may hold state)."""
+    def stream(fd: int, mode: str, **kwargs) -> io.TextIOWrapper:
+        raw = io.FileIO(fd, mode, closefd=False)
+        buffered = io.BufferedReader(raw) if mode == "r" else io.BufferedWriter(raw)
+        return io.TextIOWrapper(buffered, encoding="utf-8", **kwargs)
+
+    sys.stdin = stream(0, "r", errors="replace")
+    sys.stdout = stream(1, "w", errors="replace")
+    sys.stderr = stream(2, "w", errors="backslashreplace", line_buffering=True)
+    sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
 
 
 # ---------------------------------------------------------------------- set-up (trusted)
@@ -345,4 +430,7 @@ def _report(fd: int, reply: dict) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 4 and sys.argv[1] == "--zygote":
+        serve(int(sys.argv[2]), json.loads(sys.argv[3]))
+    else:
+        sys.exit("usage: child.py --zygote SOCKET_FD PRELOAD_JSON (started by grpo_envs.sandbox)")

@@ -8,9 +8,11 @@ import secrets
 import selectors
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,6 +27,8 @@ _READ_CHUNK = 1 << 16
 _UID_BASE = 1_500_000_000
 _UID_SPAN = 1 << 28
 _REAP_ROUNDS = 50
+_ZYGOTE_TIMEOUT_S = 60.0
+_ZYGOTE_REPLY_BYTES = 4096
 
 # Imported before the privilege drop: after it the interpreter's own files may be unreadable
 # (e.g. a Python installed under /root). Other stdlib modules import when world-readable.
@@ -105,7 +109,7 @@ def run_python(
     limits: SandboxLimits = SandboxLimits(),
     isolation: Isolation = Isolation(),
 ) -> SandboxResult:
-    """Run ``source`` in a sandboxed child process.
+    """Run ``source`` in a sandboxed process. Thread-safe.
 
     With ``call=None`` the source runs as a script fed ``stdin``; with
     ``call=(fn_name, args, kwargs)`` the source is executed and then ``fn_name(*args, **kwargs)``
@@ -114,7 +118,8 @@ def run_python(
     run_dir = Path(tempfile.mkdtemp(prefix="grpo-sandbox-"))
     uid = _fresh_uid() if isolation.drop_privileges and os.geteuid() == 0 else None
     started = time.monotonic()
-    proc = None
+    pid = None
+    fds: list[int] = []
     try:
         workdir = run_dir / "work"
         workdir.mkdir()
@@ -122,7 +127,6 @@ def run_python(
             os.chown(workdir, uid, uid)
         else:
             workdir.chmod(0o700)
-        result_read, result_write = os.pipe()
         job = {
             "source": source,
             "call": None if call is None else {"fn_name": call[0], "args": list(call[1]), "kwargs": dict(call[2])},
@@ -132,40 +136,110 @@ def run_python(
             "netns": isolation.network_namespace,
             "mountns": isolation.mount_namespace,
             "audit": isolation.audit_hook,
-            "preload": list(isolation.preload),
             "require": list(isolation.require),
-            "result_fd": result_write,
         }
         job_path = run_dir / "job.json"
         job_path.write_text(json.dumps(job), encoding="utf-8")
         input_path = run_dir / "input.txt"
         input_path.write_text(stdin, encoding="utf-8")
-        with open(input_path, "rb") as stdin_file:
-            try:
-                proc = subprocess.Popen(
-                    [sys.executable, "-I", *(() if isolation.site_packages else ("-S",)), "-X", "utf8",
-                     str(_CHILD_SCRIPT), str(job_path)],
-                    stdin=stdin_file,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    pass_fds=(result_write,),
-                    cwd=run_dir,
-                    env=_clean_environment(),
-                    start_new_session=True,
-                )
-            finally:
-                os.close(result_write)
-        with os.fdopen(result_read, "rb", buffering=0) as result_pipe:
-            stdout, stderr, result, stop = _collect(proc, result_pipe, limits)
-        return _classify(proc.returncode, stdout, stderr, result, stop, time.monotonic() - started)
-    except OSError as exc:
+        stdout_r, stdout_w = os.pipe()
+        stderr_r, stderr_w = os.pipe()
+        result_r, result_w = os.pipe()
+        fds = [stdout_r, stderr_r, result_r]
+        child_fds = [os.open(input_path, os.O_RDONLY), stdout_w, stderr_w, result_w]
+        try:
+            pid = _spawn(isolation, str(job_path), child_fds)
+        finally:
+            for fd in child_fds:
+                os.close(fd)
+        started = time.monotonic()
+        stdout, stderr, result, stop = _collect(fds, limits)
+        return _classify(stdout, stderr, result, stop, time.monotonic() - started)
+    except (OSError, ZygoteError) as exc:
         return SandboxResult("sandbox_error", error=f"could not run the sandbox: {exc}", wall_s=time.monotonic() - started)
     finally:
-        if proc is not None:
-            _kill_group(proc)
+        for fd in fds:
+            os.close(fd)
+        if pid is not None:
+            _kill_group(pid)
         if uid is not None:
             _reap_uid(uid)
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+class ZygoteError(RuntimeError):
+    """The zygote process could not be started or stopped answering."""
+
+
+class _Zygote:
+    """The pre-loaded process that forks every run (see ``child.py``)."""
+
+    def __init__(self, preload: tuple[str, ...], site_packages: bool) -> None:
+        self.lock = threading.Lock()
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock.settimeout(_ZYGOTE_TIMEOUT_S)
+        with theirs:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-I", *(() if site_packages else ("-S",)), "-X", "utf8", str(_CHILD_SCRIPT),
+                 "--zygote", str(theirs.fileno()), json.dumps(list(preload))],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                env=_clean_environment(),
+                start_new_session=True,  # a Ctrl-C for the host must not reach it
+            )
+        try:
+            ready = self.sock.recv(_ZYGOTE_REPLY_BYTES)
+        except OSError as exc:
+            self.close()
+            raise ZygoteError(f"the sandbox zygote did not start: {exc}") from exc
+        if not ready:
+            self.close()
+            raise ZygoteError(f"the sandbox zygote exited during start-up (code {self.proc.wait()})")
+
+    def spawn(self, job_path: str, fds: list[int]) -> int:
+        """Start a run; its pid is also its process-group id."""
+        with self.lock:
+            socket.send_fds(self.sock, [job_path.encode()], fds)
+            reply = json.loads(self.sock.recv(_ZYGOTE_REPLY_BYTES) or b"{}")
+        if "pid" not in reply:
+            raise ZygoteError(f"the sandbox zygote refused the run: {reply}")
+        return reply["pid"]
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        self.sock.close()  # the zygote exits on EOF
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def _spawn(isolation: Isolation, job_path: str, fds: list[int]) -> int:
+    """Start a run on the zygote; a zygote that died is replaced once."""
+    try:
+        return _zygote(isolation).spawn(job_path, fds)
+    except (OSError, ZygoteError):
+        _zygote(isolation, restart=True)
+        return _zygote(isolation).spawn(job_path, fds)
+
+
+_zygotes: dict[tuple, _Zygote] = {}
+_zygotes_lock = threading.Lock()
+
+
+def _zygote(isolation: Isolation, restart: bool = False) -> _Zygote:
+    """This process's zygote for the isolation's preload settings, (re)started when needed."""
+    key = (os.getpid(), isolation.preload, isolation.site_packages)
+    with _zygotes_lock:
+        zygote = _zygotes.get(key)
+        if zygote is None or restart or not zygote.alive():
+            if zygote is not None:
+                zygote.close()
+            zygote = _zygotes[key] = _Zygote(isolation.preload, isolation.site_packages)
+        return zygote
 
 
 def _fresh_uid() -> int:
@@ -185,15 +259,16 @@ def _clean_environment() -> dict[str, str]:
     }
 
 
-def _collect(proc: subprocess.Popen, result_pipe, limits: SandboxLimits):
+def _collect(fds: list[int], limits: SandboxLimits):
     """Read stdout, stderr and the result pipe until all close, the deadline, or too much output."""
     deadline = time.monotonic() + limits.wall_s
+    stdout_fd, stderr_fd, result_fd = fds
     stdout, stderr, result = bytearray(), bytearray(), bytearray()
-    sinks = {proc.stdout: stdout, proc.stderr: stderr, result_pipe: result}
+    sinks = {stdout_fd: stdout, stderr_fd: stderr, result_fd: result}
     stop = None
     with selectors.DefaultSelector() as selector:
-        for stream in sinks:
-            selector.register(stream, selectors.EVENT_READ)
+        for fd in sinks:
+            selector.register(fd, selectors.EVENT_READ)
         while selector.get_map():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -202,9 +277,9 @@ def _collect(proc: subprocess.Popen, result_pipe, limits: SandboxLimits):
             for key, _ in selector.select(remaining):
                 chunk = os.read(key.fd, _READ_CHUNK)
                 if not chunk:
-                    selector.unregister(key.fileobj)
+                    selector.unregister(key.fd)
                     continue
-                sink = sinks[key.fileobj]
+                sink = sinks[key.fd]
                 sink += chunk
                 if sink is stderr and len(stderr) > 2 * _STDERR_TAIL:
                     del stderr[:-_STDERR_TAIL]
@@ -214,21 +289,13 @@ def _collect(proc: subprocess.Popen, result_pipe, limits: SandboxLimits):
                     stop = "output_limit"
             if stop:
                 break
-    if stop is None:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:  # closed its pipes but kept running
-            stop = "timeout"
-    _kill_group(proc)
-    for stream in (proc.stdout, proc.stderr):
-        stream.close()
     return bytes(stdout[: limits.stdout_bytes]), bytes(stderr[-_STDERR_TAIL:]), bytes(result), stop
 
 
-def _classify(returncode: int | None, stdout: bytes, stderr: bytes, result: bytes, stop: str | None, wall_s: float) -> SandboxResult:
+def _classify(stdout: bytes, stderr: bytes, result: bytes, stop: str | None, wall_s: float) -> SandboxResult:
     out = stdout.decode("utf-8", "replace")
     err = stderr.decode("utf-8", "replace")
-    reply = _last_json_line(result)
+    reply, returncode = _result_lines(result)
     res = SandboxResult("runtime_error", out, err, returncode=returncode, wall_s=wall_s, isolation=reply.get("isolation", {}))
     if stop is not None:
         res.status = stop
@@ -244,13 +311,13 @@ def _classify(returncode: int | None, stdout: bytes, stderr: bytes, result: byte
         elif sig == signal.SIGXFSZ:
             res.status, res.error = "output_limit", "file size limit"
         elif "MemoryError" in err or "Cannot allocate memory" in err:
-            res.status, res.error = "memory_error", f"killed by {signal.Signals(sig).name}"
+            res.status, res.error = "memory_error", f"killed by {_signal_name(sig)}"
         else:
             res.error = f"killed by {_signal_name(sig)}"
     elif returncode == 0:
         res.status = "ok"  # the script ended itself early (os._exit(0)); its output is judged
     else:
-        res.error = f"exited with code {returncode}"
+        res.error = f"exited with code {returncode}" if returncode is not None else "ended without a result"
     return res
 
 
@@ -261,25 +328,27 @@ def _signal_name(sig: int) -> str:
         return f"signal {sig}"
 
 
-def _last_json_line(data: bytes) -> dict:
-    for line in reversed(data.splitlines()):
+def _result_lines(data: bytes) -> tuple[dict, int | None]:
+    """The run's reply (last JSON line with a status) and the monitor's exit status."""
+    reply, returncode = {}, None
+    for line in data.splitlines():
         try:
-            reply = json.loads(line)
+            item = json.loads(line)
         except ValueError:
             continue
-        if isinstance(reply, dict):
-            return reply
-    return {}
+        if not isinstance(item, dict):
+            continue
+        if "exit_status" in item:
+            returncode = item["exit_status"] if isinstance(item["exit_status"], int) else None
+        elif "status" in item:
+            reply = item
+    return reply, returncode
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _kill_group(pgid: int) -> None:
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
         pass
 
 
