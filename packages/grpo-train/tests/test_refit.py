@@ -226,10 +226,18 @@ def test_generation_actors_through_ray(ray_session, model_dir, base_model):
             ray.kill(actor)
 
 
-def test_hf_generator_rejects_unknown_weight_names(model_dir):
-    gen = HFGenerator(model_dir)
-    with pytest.raises(KeyError, match="does not have"):
-        gen.update_weights({"model.not_a_layer.weight": torch.zeros(2)}, 1)
+def test_partial_or_unknown_weights_are_refused(vllm_gen, model_dir, base_model):
+    """A push missing a tensor would leave that layer on old weights (vLLM only warns)."""
+    full = state_dict_for_refit(base_model)
+    partial = {k: v for k, v in full.items() if "layers.1." not in k}
+    bogus = {**full, "model.not_a_layer.weight": torch.zeros(2)}
+    for gen in (vllm_gen, HFGenerator(model_dir)):
+        version = gen.weight_version()
+        with pytest.raises(KeyError, match=r"missing \['model.layers.1"):
+            gen.update_weights(partial, version + 1)
+        with pytest.raises(KeyError, match="unexpected .'model.not_a_layer.weight'"):
+            gen.update_weights(bogus, version + 1)
+        assert gen.weight_version() == version
 
 
 def test_unknown_backend_is_a_clear_error():

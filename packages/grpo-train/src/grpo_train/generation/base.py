@@ -151,6 +151,21 @@ def fit_prompts(
     return fitted, cut
 
 
+def check_weight_names(given, expected: set[str] | None) -> None:
+    """Refuse a weight push that would leave part of the model on old weights: every expected
+    tensor must come, and nothing else. `expected=None` skips the check (unknown layout)."""
+    if expected is None:
+        return
+    given = set(given)
+    missing, extra = sorted(expected - given), sorted(given - expected)
+    if missing or extra:
+        raise KeyError(
+            f"update_weights needs exactly the model's {len(expected)} tensors (HF names, tied "
+            f"weights once): missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
+            f"unexpected {extra[:5]}{' ...' if len(extra) > 5 else ''}"
+        )
+
+
 def validate_score_inputs(
     sequences: list[list[int]], prompt_lens: list[int], max_model_len: int
 ) -> None:

@@ -17,6 +17,7 @@ import torch
 from grpo_train.generation.base import (
     GenerationResult,
     SamplingSpec,
+    check_weight_names,
     fit_prompts,
     logprob_temperature,
     validate_score_inputs,
@@ -52,6 +53,9 @@ class HFGenerator:
             model_path, dtype=getattr(torch, dtype)
         ).to(self.device)
         self.model.eval()
+        from grpo_train.weight_sync import state_dict_for_refit
+
+        self._weight_names = set(state_dict_for_refit(self.model))
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.tokenizer.eos_token_id
@@ -131,12 +135,9 @@ class HFGenerator:
     @torch.no_grad()
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> float:
         start = time.perf_counter()
-        result = self.model.load_state_dict(named_tensors, strict=False)
-        if result.unexpected_keys:
-            raise KeyError(
-                f"update_weights got tensors the model does not have: {result.unexpected_keys[:5]}"
-                f"{' ...' if len(result.unexpected_keys) > 5 else ''}"
-            )
+        check_weight_names(named_tensors, self._weight_names)
+        # strict=False only because a tied lm_head is sent once, as the embedding.
+        self.model.load_state_dict(named_tensors, strict=False)
         self._version = int(version)
         return time.perf_counter() - start
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 from grpo_train.generation.base import (
     GenerationResult,
     SamplingSpec,
+    check_weight_names,
     fit_prompts,
     logprob_temperature,
     validate_score_inputs,
@@ -107,6 +108,7 @@ class VllmGenerator:
             worker_extension_cls=WORKER_EXTENSION,
             **engine_kwargs,
         )
+        self._weight_names = _checkpoint_weight_names(model_path)
         self._logprob_temperature: float | None = None
         self._set_logprob_temperature(self.temperature_for_logprobs)
         self.start_seconds = time.perf_counter() - start
@@ -145,6 +147,8 @@ class VllmGenerator:
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> float:
         start = time.perf_counter()
+        # vLLM only warns about tensors a reload did not get and keeps serving with them.
+        check_weight_names(named_tensors, self._weight_names)
         payload = named_tensors
         if not self._in_process:
             from grpo_train.generation.vllm_worker_ext import serialize_weights
@@ -202,6 +206,28 @@ class VllmGenerator:
         if temperature != self._logprob_temperature:
             self.llm.collective_rpc("grpo_set_logprob_temperature", args=(float(temperature),))
             self._logprob_temperature = temperature
+
+
+def _checkpoint_weight_names(model_path: str) -> set[str] | None:
+    """HF names of the tensors a full push must carry: those in the checkpoint's safetensors
+    files, less `lm_head.weight` for tied embeddings (sent once, as the embedding). None when
+    the checkpoint is not a local safetensors folder (the check is then skipped)."""
+    from pathlib import Path
+
+    files = sorted(Path(model_path).glob("*.safetensors")) if Path(model_path).is_dir() else []
+    if not files:
+        return None
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    names: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            names.update(f.keys())
+    config = AutoConfig.from_pretrained(model_path)
+    if getattr(config.get_text_config(), "tie_word_embeddings", False):
+        names.discard("lm_head.weight")
+    return names
 
 
 def _to_result(prompt_index: int, prompt: list[int], completion) -> GenerationResult:
