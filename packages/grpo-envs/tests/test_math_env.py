@@ -135,3 +135,14 @@ def test_works_from_a_thread(env):
 def test_bad_config():
     with pytest.raises(ValueError, match="must be positive"):
         MathEnv(timeout_s=0)
+
+
+def test_math_on_ray_workers(ray_session):
+    from grpo_envs.pool import EnvPool
+
+    cases = CASES[:20]
+    with EnvPool("math", {"timeout_s": 2.0}, num_workers=2) as pool:
+        out = pool.step(_logs([r for r, _, _ in cases]), [{"ground_truth": g} for _, g, _ in cases])
+    assert out.rewards == [e for _, _, e in cases]
+    assert out.metrics["accuracy"] == pytest.approx(sum(e for _, _, e in cases) / len(cases))
+    assert out.metrics["env/actor_restarts"] == 0.0

@@ -43,6 +43,9 @@ class EchoEnv(Environment):
         return EnvOutput(rewards, [None] * n, [True] * n, [{"pid": os.getpid()} for _ in range(n)],
                          {"mean_reward": sum(rewards) / n, "seen": float(n)})
 
+    def global_post_process_and_metrics(self, batch_metadata):
+        return {"distinct_workers": float(len({m.get("pid") for m in batch_metadata}))}
+
 
 grpo_envs.register("test_echo", EchoEnv, overwrite=True)
 
@@ -75,6 +78,7 @@ def test_in_process_isolates_exceptions():
     assert out.metrics["env/actor_restarts"] == 0.0
     assert out.metrics["mean_reward"] == 2.0  # over the two samples that were scored
     assert out.metrics["seen"] == 2.0
+    assert pool.global_post_process_and_metrics(out.metadata) == {"distinct_workers": 2.0}  # a pid and None
     pool.shutdown()
 
 
@@ -98,6 +102,7 @@ def test_ray_pool_merges_in_order(ray_env):
         assert out.metrics["env/actor_restarts"] == 0.0
         empty = pool.step([], [])
         assert empty.rewards == [] and empty.metrics["env/actor_restarts"] == 0.0
+        assert pool.global_post_process_and_metrics(out.metadata) == {"distinct_workers": 3.0}
 
 
 def test_ray_pool_arithmetic(ray_env):
