@@ -15,6 +15,7 @@ from grpo_train.generation.base import fit_prompts
 TEMPERATURE = 0.7
 MAX_MODEL_LEN = 128
 ATOL = 1e-4
+KV_GB = 0.25  # a quarter GiB of KV cache is thousands of tokens for this model
 EOS = 1
 PROMPTS = [[4, 5, 13, 6, 7, 15], [3, 4, 5], [9] * 10, [20, 30, 40, 50, 8]]
 
@@ -75,7 +76,9 @@ def oracle(model_dir):
 
 @pytest.fixture(scope="module")
 def vllm_gen(model_dir):
-    gen = VllmGenerator(model_dir, max_model_len=MAX_MODEL_LEN, temperature_for_logprobs=TEMPERATURE)
+    gen = VllmGenerator(
+        model_dir, max_model_len=MAX_MODEL_LEN, temperature_for_logprobs=TEMPERATURE, kv_cache_space_gb=KV_GB
+    )
     print(f"\n[measure] vLLM engine start (in-process, fp32): {gen.start_seconds:.1f} s")
     yield gen
     gen.shutdown()
@@ -219,6 +222,12 @@ def test_overlong_prompt_is_left_truncated_and_counted(backend, request):
     assert len(results[0].prompt_ids) + len(results[0].response_ids) < MAX_MODEL_LEN
     assert results[1].prompt_ids == PROMPTS[1]
     assert gen.num_truncated_prompts == before + 1
+
+
+def test_configured_kv_cache_size_wins_over_environment(vllm_gen):
+    # The test session sets VLLM_CPU_KVCACHE_SPACE=1 (GiB); the constructor's size must win.
+    cache_config = vllm_gen.llm.llm_engine.vllm_config.cache_config
+    assert cache_config.kv_cache_memory_bytes == int(KV_GB * (1 << 30))
 
 
 def test_fit_prompts_rejects_impossible_budget():

@@ -20,6 +20,7 @@ from grpo_train.weight_sync import RefitMismatchError, check_refit, state_dict_f
 TEMPERATURE = 0.7
 MAX_MODEL_LEN = 256
 ATOL = 1e-4
+KV_GB = 0.25  # a quarter GiB of KV cache is thousands of tokens for this model
 # Longer than one KV block (128 tokens on vLLM's CPU backend), so that a prefix cache kept from
 # the old weights would be hit after a refit.
 PROBE_PROMPTS = [[3 + (7 * i) % 60 for i in range(150)], [3 + (11 * i) % 60 for i in range(140)]]
@@ -96,7 +97,9 @@ _LIVE_ENGINES: list[VllmGenerator] = []  # so the Ray test can stop this module'
 
 @pytest.fixture(scope="module")
 def vllm_gen(model_dir):
-    gen = VllmGenerator(model_dir, max_model_len=MAX_MODEL_LEN, temperature_for_logprobs=TEMPERATURE)
+    gen = VllmGenerator(
+        model_dir, max_model_len=MAX_MODEL_LEN, temperature_for_logprobs=TEMPERATURE, kv_cache_space_gb=KV_GB
+    )
     _LIVE_ENGINES.append(gen)
     yield gen
     gen.shutdown()
@@ -205,9 +208,10 @@ def test_generation_actors_through_ray(ray_session, model_dir, base_model):
         engine.shutdown()
     for backend in ("vllm", "hf"):
         start = time.perf_counter()
+        extra = {"kv_cache_space_gb": KV_GB} if backend == "vllm" else {}
         actor = make_generation_actor(
             backend, model_dir, num_cpus=1, max_model_len=MAX_MODEL_LEN,
-            temperature_for_logprobs=TEMPERATURE,
+            temperature_for_logprobs=TEMPERATURE, **extra,
         )
         try:
             engine_seconds = ray.get(actor.ready.remote())

@@ -88,15 +88,7 @@ class VllmGenerator:
         self._version = 0
         self._in_process = tensor_parallel_size == 1
 
-        engine_kwargs = {}
-        if current_platform.is_cpu():
-            # Without an explicit size vLLM's CPU backend reserves most of the RAM.
-            engine_kwargs["kv_cache_memory_bytes"] = int(kv_cache_space_gb * GIB)
-        else:
-            engine_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-
-        start = time.perf_counter()
-        self.llm = vllm.LLM(
+        engine_kwargs = dict(
             model=model_path,
             dtype=dtype,
             max_model_len=max_model_len,
@@ -106,8 +98,23 @@ class VllmGenerator:
             logprobs_mode="raw_logprobs",
             generation_config="vllm",  # no sampling defaults from the model's generation_config
             worker_extension_cls=WORKER_EXTENSION,
-            **engine_kwargs,
         )
+        saved_env = None
+        if current_platform.is_cpu():
+            # Without an explicit size vLLM's CPU backend reserves most of the RAM. The
+            # VLLM_CPU_KVCACHE_SPACE variable (whole GiB) would override our argument, so it is
+            # hidden while the engine is built: the configured size wins.
+            engine_kwargs["kv_cache_memory_bytes"] = int(kv_cache_space_gb * GIB)
+            saved_env = os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        else:
+            engine_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+
+        start = time.perf_counter()
+        try:
+            self.llm = vllm.LLM(**engine_kwargs)
+        finally:
+            if saved_env is not None:
+                os.environ["VLLM_CPU_KVCACHE_SPACE"] = saved_env
         self._weight_names = _checkpoint_weight_names(model_path)
         self._logprob_temperature: float | None = None
         self._set_logprob_temperature(self.temperature_for_logprobs)
