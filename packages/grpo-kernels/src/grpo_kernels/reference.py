@@ -172,21 +172,56 @@ def default_chunk_rows(n_cols: int) -> int:
     return max(1, DEFAULT_CHUNK_BYTES // (4 * max(1, n_cols)))
 
 
-def _logprobs_forward(logits, targets, temperature, ignore_index, chunk_rows, want_entropy):
-    n_rows = logits.shape[0]
+def logits_chunk_forward(logits, targets, temperature, ignore_index, want_entropy, owned=False):
+    """Per-chunk work of the forward: logits [C, V] -> logprob [C], entropy [C] or None, lse
+    [C]. `owned`: logits is a scratch buffer (a fresh matmul output) that may be overwritten."""
     wd = work_dtype(logits.dtype)
-    logprob = torch.empty(n_rows, dtype=wd, device=logits.device)
-    lse = torch.empty(n_rows, dtype=wd, device=logits.device)
-    entropy = torch.empty(n_rows, dtype=wd, device=logits.device) if want_entropy else None
+    z = logits.div_(temperature) if owned and logits.dtype == wd else logits.to(wd) / temperature
+    return _chunk_forward(z, targets, ignore_index, want_entropy)
+
+
+def logits_chunk_grad(logits, targets, lse, entropy, grad_logprob, grad_entropy, temperature,
+                      ignore_index, owned=False):
+    """Per-chunk work of the backward: -> d(loss)/d(logits) [C, V] in logits' dtype."""
+    wd = work_dtype(logits.dtype)
+    z = logits.div_(temperature) if owned and logits.dtype == wd else logits.to(wd) / temperature
+    grad = _chunk_grad(z, targets, ignore_index, lse, entropy, grad_logprob, grad_entropy, temperature)
+    return grad.to(logits.dtype)
+
+
+# (forward, backward) per-chunk functions; the Triton path of the fused lm_head swaps in its own.
+REFERENCE_CHUNK_KERNELS = (logits_chunk_forward, logits_chunk_grad)
+
+
+def _rows(t: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
+    return None if t is None else t[start:stop]
+
+
+def _chunked_forward(logits_of, n_rows, targets, temperature, ignore_index, chunk_rows,
+                     want_entropy, chunk_forward, dtype, device, owned):
+    """Run chunk_forward on logits_of(start, stop) for every chunk of rows -> logprob, entropy
+    or None, lse, each [T] of the work dtype."""
+    wd = work_dtype(dtype)
+    logprob = torch.empty(n_rows, dtype=wd, device=device)
+    lse = torch.empty(n_rows, dtype=wd, device=device)
+    entropy = torch.empty(n_rows, dtype=wd, device=device) if want_entropy else None
     for start in range(0, n_rows, chunk_rows):
         stop = min(start + chunk_rows, n_rows)
-        z = logits[start:stop].to(wd) / temperature
-        lp, ent, ls = _chunk_forward(z, targets[start:stop], ignore_index, want_entropy)
+        lp, ent, ls = chunk_forward(
+            logits_of(start, stop), targets[start:stop], temperature, ignore_index, want_entropy, owned
+        )
         logprob[start:stop] = lp
         lse[start:stop] = ls
         if want_entropy:
             entropy[start:stop] = ent
     return logprob, entropy, lse
+
+
+def _logprobs_forward(logits, targets, temperature, ignore_index, chunk_rows, want_entropy):
+    return _chunked_forward(
+        lambda a, b: logits[a:b], logits.shape[0], targets, temperature, ignore_index, chunk_rows,
+        want_entropy, logits_chunk_forward, logits.dtype, logits.device, owned=False,
+    )
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
@@ -208,22 +243,17 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         logits, targets, lse, entropy = ctx.saved_tensors
         temperature, ignore_index, chunk_rows = ctx.args
         grad_logits = torch.empty_like(logits)
-        wd = work_dtype(logits.dtype)
         for start in range(0, logits.shape[0], chunk_rows):
             stop = min(start + chunk_rows, logits.shape[0])
-            z = logits[start:stop].to(wd) / temperature
-            grad_logits[start:stop] = _chunk_grad(
-                z, targets[start:stop], ignore_index, lse[start:stop],
-                None if entropy is None else entropy[start:stop],
-                None if grad_logprob is None else grad_logprob[start:stop],
-                None if grad_entropy is None else grad_entropy[start:stop],
-                temperature,
+            grad_logits[start:stop] = logits_chunk_grad(
+                logits[start:stop], targets[start:stop], lse[start:stop], _rows(entropy, start, stop),
+                _rows(grad_logprob, start, stop), _rows(grad_entropy, start, stop), temperature, ignore_index,
             )
         return grad_logits, None, None, None, None, None
 
 
-def _prepare_logits(logits, target_ids, temperature, ignore_index, chunk_size, cu_seqlens):
-    """Validate and flatten: -> logits2d [T, V], targets [T] int64, temperature, chunk_rows."""
+def check_logits_inputs(logits, target_ids, temperature, ignore_index, chunk_size, cu_seqlens):
+    """Validate token_logprobs' inputs -> (targets [T] int64, temperature, chunk rows)."""
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
         raise ValueError("logits: expected a floating-point tensor [T, V] or [B, S, V]")
     if logits.dim() < 2:
@@ -241,7 +271,7 @@ def _prepare_logits(logits, target_ids, temperature, ignore_index, chunk_size, c
             raise ValueError("cu_seqlens: packed input needs flat logits [T, V] and input ids [T]")
         target_ids = shift_targets_packed(target_ids, cu_seqlens, ignore_index)
     targets = check_targets(target_ids, logits.shape[:-1], n_cols, logits.device, ignore_index, "logits")
-    return logits.reshape(-1, n_cols), targets, temperature, chunk_size or default_chunk_rows(n_cols)
+    return targets, temperature, chunk_size or default_chunk_rows(n_cols)
 
 
 def token_logprobs(
@@ -263,9 +293,10 @@ def token_logprobs(
     position of each sequence gives 0); `torch.roll(out, 1)` aligns that to "token t holds
     log p(x_t | x_<t)" with 0 at every sequence start.
     """
-    logits2d, targets, temperature, chunk_rows = _prepare_logits(
+    targets, temperature, chunk_rows = check_logits_inputs(
         logits, target_ids, temperature, ignore_index, chunk_size, cu_seqlens
     )
+    logits2d = logits.reshape(-1, logits.shape[-1])
     out_shape = targets.shape if cu_seqlens is not None else target_ids.shape
     if torch.is_grad_enabled() and logits2d.requires_grad:
         out = _ChunkedTokenLogprobs.apply(
@@ -285,34 +316,26 @@ def token_logprobs(
 # ----------------------------------------------------------------------------------------------
 # linear_token_logprobs: hidden [T, H] @ weight[V, H].T fused with the above, chunked over rows
 # ----------------------------------------------------------------------------------------------
-def _linear_forward(hidden, weight, targets, temperature, ignore_index, chunk_rows, want_entropy):
-    n_rows = hidden.shape[0]
-    wd = work_dtype(hidden.dtype)
-    logprob = torch.empty(n_rows, dtype=wd, device=hidden.device)
-    lse = torch.empty(n_rows, dtype=wd, device=hidden.device)
-    entropy = torch.empty(n_rows, dtype=wd, device=hidden.device) if want_entropy else None
-    for start in range(0, n_rows, chunk_rows):
-        stop = min(start + chunk_rows, n_rows)
-        z = (hidden[start:stop] @ weight.t()).to(wd).div_(temperature)  # [C, V]
-        lp, ent, ls = _chunk_forward(z, targets[start:stop], ignore_index, want_entropy)
-        logprob[start:stop] = lp
-        lse[start:stop] = ls
-        if want_entropy:
-            entropy[start:stop] = ent
-    return logprob, entropy, lse
+def _linear_forward(hidden, weight, targets, temperature, ignore_index, chunk_rows, want_entropy,
+                    chunk_kernels=REFERENCE_CHUNK_KERNELS):
+    return _chunked_forward(
+        lambda a, b: hidden[a:b] @ weight.t(), hidden.shape[0], targets, temperature, ignore_index,
+        chunk_rows, want_entropy, chunk_kernels[0], hidden.dtype, hidden.device, owned=True,
+    )
 
 
 class _ChunkedLinearTokenLogprobs(torch.autograd.Function):
     """Saves hidden/weight (already alive) and per-row lse/entropy; backward recomputes each
-    logits chunk, turns it into d(logits) and folds that into dX and dW at once."""
+    logits chunk, turns it into d(logits) and folds that into dX and dW at once. The per-chunk
+    softmax work is `chunk_kernels` (the reference's, or the Triton launchers)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, ignore_index, chunk_rows, want_entropy):
+    def forward(ctx, hidden, weight, targets, temperature, ignore_index, chunk_rows, want_entropy, chunk_kernels):
         logprob, entropy, lse = _linear_forward(
-            hidden, weight, targets, temperature, ignore_index, chunk_rows, want_entropy
+            hidden, weight, targets, temperature, ignore_index, chunk_rows, want_entropy, chunk_kernels
         )
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
-        ctx.args = (temperature, ignore_index, chunk_rows)
+        ctx.args = (temperature, ignore_index, chunk_rows, chunk_kernels[1])
         ctx.set_materialize_grads(False)
         return (logprob, entropy) if want_entropy else logprob
 
@@ -320,9 +343,8 @@ class _ChunkedLinearTokenLogprobs(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_logprob, grad_entropy=None):
         hidden, weight, targets, lse, entropy = ctx.saved_tensors
-        temperature, ignore_index, chunk_rows = ctx.args
+        temperature, ignore_index, chunk_rows, chunk_grad = ctx.args
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        wd = work_dtype(hidden.dtype)
         grad_hidden = torch.empty_like(hidden) if need_x else None
         # Low-precision dW is summed over chunks in float32, then cast once.
         acc_dtype = weight.dtype if weight.dtype in (torch.float32, torch.float64) else torch.float32
@@ -330,24 +352,21 @@ class _ChunkedLinearTokenLogprobs(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_rows):
             stop = min(start + chunk_rows, hidden.shape[0])
             h = hidden[start:stop]
-            z = (h @ weight.t()).to(wd).div_(temperature)
-            grad_z = _chunk_grad(
-                z, targets[start:stop], ignore_index, lse[start:stop],
-                None if entropy is None else entropy[start:stop],
-                None if grad_logprob is None else grad_logprob[start:stop],
-                None if grad_entropy is None else grad_entropy[start:stop],
-                temperature,
-            ).to(hidden.dtype)  # [C, V]
+            grad_logits = chunk_grad(
+                h @ weight.t(), targets[start:stop], lse[start:stop], _rows(entropy, start, stop),
+                _rows(grad_logprob, start, stop), _rows(grad_entropy, start, stop), temperature,
+                ignore_index, owned=True,
+            )  # [C, V], hidden's dtype
             if need_x:
-                torch.matmul(grad_z, weight, out=grad_hidden[start:stop])
+                torch.matmul(grad_logits, weight, out=grad_hidden[start:stop])
             if need_w:
                 if acc_dtype == hidden.dtype:
-                    grad_weight.addmm_(grad_z.t(), h)
+                    grad_weight.addmm_(grad_logits.t(), h)
                 else:
-                    grad_weight.add_(grad_z.t() @ h)
+                    grad_weight.add_(grad_logits.t() @ h)
         if need_w:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def check_linear_inputs(hidden, weight, target_ids, temperature, ignore_index, chunk_size, cu_seqlens):
@@ -387,17 +406,20 @@ def linear_token_logprobs(
     ignore_index: int = IGNORE_INDEX,
     chunk_size: int = DEFAULT_LINEAR_CHUNK_ROWS,
     cu_seqlens: torch.Tensor | None = None,
+    *,
+    chunk_kernels=REFERENCE_CHUNK_KERNELS,
 ):
     """token_logprobs(hidden @ weight.T, ...) without ever holding more than chunk_size rows of
     logits. hidden [T, H] or [B, S, H], weight [V, H] (the lm_head). Exact: forward and backward
     (dX, dW) match the unfused computation; under torch.no_grad() nothing is saved. With
-    cu_seqlens, target_ids are the packed input ids (as in token_logprobs).
+    cu_seqlens, target_ids are the packed input ids (as in token_logprobs). `chunk_kernels` is
+    the (forward, backward) per-chunk softmax work; the GPU path passes its Triton launchers.
     """
     hidden2d, targets, temperature = check_linear_inputs(
         hidden, weight, target_ids, temperature, ignore_index, chunk_size, cu_seqlens
     )
     out_shape = targets.shape if cu_seqlens is not None else target_ids.shape
-    args = (targets, temperature, ignore_index, chunk_size, return_entropy)
+    args = (targets, temperature, ignore_index, chunk_size, return_entropy, chunk_kernels)
     if torch.is_grad_enabled() and (hidden2d.requires_grad or weight.requires_grad):
         out = _ChunkedLinearTokenLogprobs.apply(hidden2d, weight, *args)
         logprob, entropy = out if return_entropy else (out, None)

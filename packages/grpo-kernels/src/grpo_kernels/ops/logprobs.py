@@ -248,19 +248,11 @@ def token_logprobs(
     """Same contract as `reference.token_logprobs` (chunk_size is accepted and unused: the
     kernel streams V and never holds a row block). Logits may be a strided [B, S, V] view such
     as `logits[:, :-1]` as long as V is contiguous; nothing is copied."""
-    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point() or logits.dim() < 2:
-        raise ValueError("logits: expected a floating-point tensor [T, V] or [B, S, V]")
-    temperature = R.check_temperature(temperature)
-    if not isinstance(target_ids, torch.Tensor):
-        raise ValueError(f"target_ids: expected a tensor, got {type(target_ids).__name__}")
-    if cu_seqlens is not None:
-        if logits.dim() != 2 or target_ids.dim() != 1:
-            raise ValueError("cu_seqlens: packed input needs flat logits [T, V] and input ids [T]")
-        target_ids = R.shift_targets_packed(target_ids, cu_seqlens, ignore_index)
-    out_shape = target_ids.shape
-    targets = R.check_targets(
-        target_ids, logits.shape[:-1], logits.shape[-1], logits.device, ignore_index, "logits"
-    ).contiguous()
+    targets, temperature, _ = R.check_logits_inputs(
+        logits, target_ids, temperature, ignore_index, chunk_size, cu_seqlens
+    )
+    out_shape = targets.shape if cu_seqlens is not None else target_ids.shape
+    targets = targets.contiguous()
     _rows_view(logits)  # layout errors before any launch
     out = TokenLogprobsFunction.apply(logits, targets, temperature, ignore_index, return_entropy, block_v)
     if return_entropy:
