@@ -67,3 +67,23 @@ def test_bad_input_names_the_argument():
         K.linear_token_logprobs(hidden, weight[:, :2], targets)
     with pytest.raises(ValueError, match="target_ids"):
         K.linear_token_logprobs(hidden, weight, torch.tensor([0, 1, 2, 11]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_dispatch_bf16_close_to_fp64():
+    import grpo_kernels
+
+    T, H, V = 2048, 512, 32001
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = (torch.randn(T, H, generator=g, device="cuda") / H**0.5).bfloat16().requires_grad_()
+    weight = torch.randn(V, H, generator=g, device="cuda").bfloat16().requires_grad_()
+    targets = torch.randint(0, V, (T,), generator=g, device="cuda")
+    lp = grpo_kernels.linear_token_logprobs(hidden, weight, targets, chunk_size=512)
+    lp.sum().backward()
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    exact = R.linear_token_logprobs(h64, w64, targets, chunk_size=512)
+    exact.sum().backward()
+    assert (lp.double() - exact).abs().max() < 0.1  # bf16 logits: ~3 significant digits
+    assert (hidden.grad.double() - h64.grad).abs().max() / h64.grad.abs().max() < 2e-2
+    assert (weight.grad.double() - w64.grad).abs().max() / w64.grad.abs().max() < 2e-2
