@@ -25,6 +25,10 @@ class Rollout:
     loss_multiplier: float = 1.0  # 0 for prompts that were truncated by the processor
     task_name: str = ""
     env_metadata: dict = field(default_factory=dict)
+    # Multi-turn: 1 where response_ids holds a generated token, 0 for environment observation
+    # tokens (not trained on). None means every response token was generated.
+    response_mask: list[int] | None = None
+    turns: int = 1
 
 
 # Keys of the tensor dict shipped to policy workers, with their shapes.
@@ -55,7 +59,7 @@ def build_train_batch(rollouts: list[Rollout], advantages: torch.Tensor, sample_
         p, n = len(r.prompt_ids), len(r.response_ids)
         input_ids[i, : p + n] = torch.tensor(r.prompt_ids + r.response_ids, dtype=torch.long)
         attention_mask[i, : p + n] = 1
-        token_mask[i, p : p + n] = 1.0
+        token_mask[i, p : p + n] = 1.0 if r.response_mask is None else torch.tensor(r.response_mask, dtype=torch.float32)
         gen_logprobs[i, p : p + n] = torch.tensor(r.gen_logprobs, dtype=torch.float32)
     return {
         "input_ids": input_ids,

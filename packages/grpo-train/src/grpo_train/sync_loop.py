@@ -47,7 +47,13 @@ def collect_rollouts(cfg: GRPOMasterConfig, parts, sampling: SamplingSpec, state
     """One rollout; with dynamic sampling, more rounds until enough groups carry signal."""
     datums = next(parts.train_data)
     state.consumed_prompts += len(datums)
-    result = rollout(parts.generator, parts.envs, datums, sampling)
+    if cfg.grpo.max_rollout_turns > 1:
+        from grpo_train.multi_turn import multi_turn_rollout
+
+        result = multi_turn_rollout(parts.generator, parts.envs, datums, sampling, parts.tokenizer,
+                                    cfg.grpo.max_rollout_turns, cfg.policy.max_total_sequence_length)
+    else:
+        result = rollout(parts.generator, parts.envs, datums, sampling)
     if not cfg.grpo.use_dynamic_sampling:
         return result, {}
     from grpo_train.dynamic_sampling import fill_with_signal
