@@ -163,3 +163,12 @@ def test_invalid_yaml_and_bad_interpolation(tmp_path):
 def test_defaults_all_validate():
     cfg = validate_config_dict({})
     assert cfg.loss_fn.reference_policy_kl_type == "k3"
+
+
+def test_override_may_set_a_schema_key_the_file_leaves_out(tmp_path):
+    path = write(tmp_path, "a.yaml", "grpo: {seed: 1}\n")
+    cfg, raw = load_config(path, ["grpo.val_period=3", "policy.generation.vllm_cfg.max_model_len=99"])
+    assert cfg.grpo.val_period == 3 and cfg.policy.generation.vllm_cfg.max_model_len == 99
+    assert raw["policy"]["generation"]["vllm_cfg"]["max_model_len"] == 99
+    with pytest.raises(ConfigError, match="unknown key in override"):
+        load_config(path, ["grpo.val_perod=3"])

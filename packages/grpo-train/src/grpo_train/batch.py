@@ -24,6 +24,7 @@ class Rollout:
     reward: float = 0.0
     loss_multiplier: float = 1.0  # 0 for prompts that were truncated by the processor
     task_name: str = ""
+    dataset_name: str = ""
     env_metadata: dict = field(default_factory=dict)
     # Multi-turn: 1 where response_ids holds a generated token, 0 for environment observation
     # tokens (not trained on). None means every response token was generated.

@@ -96,7 +96,7 @@ def multi_turn_rollout(generator, envs: dict, datums: list, sampling, tokenizer,
     rollouts = [
         Rollout(prompt_index=c.prompt_index, prompt_ids=c.prompt_ids, response_ids=c.response_ids,
                 gen_logprobs=c.gen_logprobs, text=c.text, truncated=c.truncated, reward=c.reward,
-                loss_multiplier=float(c.datum.loss_multiplier), task_name=c.datum.task_name, env_metadata=c.metadata,
+                loss_multiplier=float(c.datum.loss_multiplier), task_name=c.datum.task_name, dataset_name=getattr(c.datum, "dataset_name", ""), env_metadata=c.metadata,
                 response_mask=c.response_mask, turns=c.turns)
         for c in convs
     ]

@@ -65,6 +65,6 @@ def rollout(generator, envs: dict, datums: list, sampling: SamplingSpec) -> Roll
         rollouts.append(Rollout(
             prompt_index=res.prompt_index, prompt_ids=list(res.prompt_ids), response_ids=list(res.response_ids),
             gen_logprobs=list(res.response_logprobs), text=res.text, truncated=res.finish_reason == "length",
-            reward=reward, loss_multiplier=float(datum.loss_multiplier), task_name=datum.task_name, env_metadata=meta,
+            reward=reward, loss_multiplier=float(datum.loss_multiplier), task_name=datum.task_name, dataset_name=getattr(datum, "dataset_name", ""), env_metadata=meta,
         ))
     return RolloutResult(rollouts, env_metrics, generate_s, reward_s)

@@ -70,7 +70,7 @@ def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None =
 
             push_weights(parts.policy, parts.generator, state.weight_version)
             say(f"resumed from {latest} (step {state.step})")
-        last = total_steps(cfg, parts.train_data.batches_per_epoch)
+        last = total_steps(cfg, parts.train_data)
         if state.step >= last:
             say(f"this run already finished {state.step} steps; pass --run-dir to start a new run")
             return EXIT_OK

@@ -100,7 +100,7 @@ def data_section(cfg: GRPOMasterConfig) -> dict[str, Any]:
 
 
 def build_datasets(cfg: GRPOMasterConfig, tokenizer):
-    """(train, validation) datasets; several entries are concatenated; validation may be None."""
+    """(train datasets, validation dataset or None); several validation entries are concatenated."""
     from torch.utils.data import ConcatDataset
 
     from grpo_data.datasets import build_data
@@ -110,20 +110,33 @@ def build_datasets(cfg: GRPOMasterConfig, tokenizer):
         splits = build_data(data_section(cfg), tokenizer)
     except (DataError, FileNotFoundError) as exc:
         raise StartupError(str(exc)) from None
-
-    def joined(parts):
-        return None if not parts else parts[0] if len(parts) == 1 else ConcatDataset(parts)
-
     if not splits.train:
         raise StartupError("data.train: no training dataset configured")
-    return joined(splits.train), joined(splits.validation)
+    val = splits.validation
+    return splits.train, (None if not val else val[0] if len(val) == 1 else ConcatDataset(val))
+
+
+def build_train_iterator(cfg: GRPOMasterConfig, train_sets: list):
+    """One endless loader, or one per dataset mixed by a sampler (data.use_multiple_dataloader)."""
+    from grpo_data.errors import DataError
+    from grpo_data.multi_dataloader import make_train_iterator
+
+    data = cfg.data
+    options = {"shuffle": data.shuffle, "num_workers": data.num_workers, "use_multiple_dataloader": data.use_multiple_dataloader,
+               "num_prompts_per_dataloader": data.num_prompts_per_dataloader}
+    if data.custom_dataloader:
+        options["custom_dataloader"] = data.custom_dataloader
+    try:
+        return make_train_iterator(options, train_sets, cfg.grpo.num_prompts_per_step, cfg.grpo.seed)
+    except DataError as exc:
+        raise StartupError(str(exc)) from None
 
 
 @dataclass
 class Components:
     model_path: str
     tokenizer: Any
-    train_data: Any  # InfiniteDataLoader of DatumSpec batches
+    train_data: Any  # endless iterator of DatumSpec batches (InfiniteDataLoader or MultiDataLoader)
     val_datums: list  # DatumSpecs of the validation set (at most grpo.max_val_samples)
     envs: dict  # env name -> EnvPool
     policy: Any  # Ray actor handle of PolicyWorker
@@ -146,16 +159,14 @@ def build_components(cfg: GRPOMasterConfig, model_path: str) -> Components:
     import ray
     from transformers import AutoTokenizer
 
-    from grpo_data.dataloader import InfiniteDataLoader
     from grpo_envs.pool import EnvPool
     from grpo_train.generation import make_generation_actor
     from grpo_train.policy.worker import PolicyWorker
 
     tokenizer_path = resolve_model_path(cfg.policy.tokenizer.name, "policy.tokenizer.name") if cfg.policy.tokenizer.name else model_path
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    train_set, val_set = build_datasets(cfg, tokenizer)
-    train_data = InfiniteDataLoader(train_set, cfg.grpo.num_prompts_per_step, cfg.data.shuffle, cfg.grpo.seed,
-                                    num_workers=cfg.data.num_workers)
+    train_sets, val_set = build_datasets(cfg, tokenizer)
+    train_data = build_train_iterator(cfg, train_sets)
     val_datums = [val_set[i] for i in range(min(len(val_set), cfg.grpo.max_val_samples))] if val_set is not None else []
 
     envs = {name: EnvPool(name, env_cfg.model_dump(exclude={"num_workers"}), num_workers=env_cfg.num_workers)

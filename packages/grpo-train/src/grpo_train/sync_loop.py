@@ -29,8 +29,22 @@ def sampling_spec(cfg: GRPOMasterConfig) -> SamplingSpec:
     )
 
 
-def total_steps(cfg: GRPOMasterConfig, batches_per_epoch: int) -> int:
-    return min(cfg.grpo.max_num_steps, cfg.grpo.max_num_epochs * batches_per_epoch)
+def total_steps(cfg: GRPOMasterConfig, train_data) -> int:
+    """grpo.max_num_steps, or fewer when the epochs run out (a mixed multi-dataset loader is endless)."""
+    per_epoch = getattr(train_data, "batches_per_epoch", None)
+    if per_epoch is None:
+        return cfg.grpo.max_num_steps
+    return min(cfg.grpo.max_num_steps, cfg.grpo.max_num_epochs * per_epoch)
+
+
+def record_rewards(train_data, rollouts) -> None:
+    """Mean reward per dataset for samplers that read training records (multiple dataloaders)."""
+    if not hasattr(train_data, "set_records"):
+        return
+    sums: dict[str, list[float]] = {}
+    for r in rollouts:
+        sums.setdefault(r.dataset_name, []).append(r.reward)
+    train_data.set_records({name: {"reward": sum(v) / len(v)} for name, v in sums.items() if name})
 
 
 def run_validation(cfg: GRPOMasterConfig, parts, logger, step: int) -> dict[str, float]:
@@ -63,7 +77,7 @@ def collect_rollouts(cfg: GRPOMasterConfig, parts, sampling: SamplingSpec, state
 
 def train_sync(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: TrainerState) -> TrainerState:
     sampling = sampling_spec(cfg)
-    last = total_steps(cfg, parts.train_data.batches_per_epoch)
+    last = total_steps(cfg, parts.train_data)
     pad_id = parts.tokenizer.pad_token_id if parts.tokenizer.pad_token_id is not None else parts.tokenizer.eos_token_id
     if state.step == 0 and cfg.grpo.val_at_start:
         run_validation(cfg, parts, logger, step=0)
@@ -75,6 +89,7 @@ def train_sync(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Trainer
         result, sampling_metrics = collect_rollouts(cfg, parts, sampling, state)
         timer.add("generate", result.generate_s)
         timer.add("reward", result.reward_s)
+        record_rewards(parts.train_data, result.rollouts)
         batch, metrics = prepare_batch(cfg, result.rollouts, pad_id)
         with timer("logprob"):
             add_logprobs(cfg, parts.policy, batch)
@@ -90,7 +105,7 @@ def train_sync(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Trainer
                 metrics["refit/max_abs_logprob_diff"] = check_refit(cfg, parts.policy, parts.generator, probe)
 
         state.step = step
-        state.epoch = parts.train_data.epoch
+        state.epoch = getattr(parts.train_data, "epoch", 0)
         generated_tokens = sum(len(r.response_ids) for r in result.rollouts)
         metrics |= result.env_metrics | sampling_metrics | timer.metrics()
         metrics["tokens_per_s"] = generated_tokens / max(result.generate_s, 1e-9)

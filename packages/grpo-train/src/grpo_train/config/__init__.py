@@ -8,7 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+import typing
+
+from pydantic import BaseModel, ValidationError
 
 from grpo_train.config.errors import ConfigError
 from grpo_train.config.loader import load_config_dict
@@ -55,7 +57,19 @@ def _is_union_label(part: object) -> bool:
     return isinstance(part, str) and (part[:1].isupper() or "[" in part)
 
 
+def schema_has(parts: list[str], model: type[BaseModel] = GRPOMasterConfig) -> bool:
+    """Whether a dotted key names a field of the typed schema (through nested sections)."""
+    head, rest = parts[0], parts[1:]
+    field = model.model_fields.get(head)
+    if field is None:
+        return False
+    if not rest:
+        return True
+    sections = [a for a in typing.get_args(field.annotation) or (field.annotation,) if isinstance(a, type) and issubclass(a, BaseModel)]
+    return any(schema_has(rest, section) for section in sections)
+
+
 def load_config(name: str | Path, overrides: list[str] = (), search_dirs: list[Path] = ()) -> tuple[GRPOMasterConfig, dict[str, Any]]:
     """Load, merge, override, interpolate and validate. Returns the model and the resolved dict."""
-    path, raw = load_config_dict(name, list(overrides), list(search_dirs))
+    path, raw = load_config_dict(name, list(overrides), list(search_dirs), schema_has)
     return validate_config_dict(raw, str(path)), raw

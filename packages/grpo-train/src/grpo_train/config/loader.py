@@ -17,7 +17,7 @@ import copy
 import math
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -143,8 +143,12 @@ def _split_key(key: str, origin: str) -> list[str]:
     return parts
 
 
-def apply_override(config: dict[str, Any], override: str) -> None:
-    """Apply one `a.b=v`, `+a.b=v` or `~a.b` in place."""
+def apply_override(config: dict[str, Any], override: str, schema_has: Callable[[list[str]], bool] | None = None) -> None:
+    """Apply one `a.b=v`, `+a.b=v` or `~a.b` in place.
+
+    `a.b=v` needs the key to exist: in the YAML, or (when `schema_has` is given) in the typed
+    schema, whose defaults fill keys a file leaves out.
+    """
     if override.startswith("~"):
         parts = _split_key(override[1:], override)
         parent = _walk(config, parts[:-1], override, create=False)
@@ -162,12 +166,22 @@ def apply_override(config: dict[str, Any], override: str) -> None:
         value = parse_yaml(raw) if raw.strip() else None
     except yaml.YAMLError:
         raise ConfigError(f"value {raw!r} in override {override!r} is not valid YAML (quote strings with special characters)", key=key) from None
-    parent = _walk(config, parts[:-1], override, create=adding)
-    if not adding and parts[-1] not in parent:
+    in_schema = not adding and schema_has is not None and schema_has(parts) and not _present(config, parts)
+    parent = _walk(config, parts[:-1], override, create=adding or in_schema)
+    if not adding and not in_schema and parts[-1] not in parent:
         raise ConfigError(f"unknown key in override {override!r} (use +{key}=... to add a key)", key=key)
     if adding and parts[-1] in parent:
         raise ConfigError(f"key already exists in override {override!r} (drop the '+' to change it)", key=key)
     parent[parts[-1]] = value
+
+
+def _present(config: dict[str, Any], parts: list[str]) -> bool:
+    node: Any = config
+    for part in parts:
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
 
 
 def _walk(config: dict[str, Any], parts: list[str], origin: str, *, create: bool) -> dict[str, Any]:
@@ -248,13 +262,14 @@ def resolve_interpolations(config: dict[str, Any]) -> dict[str, Any]:
     return visit(config, "")
 
 
-def load_config_dict(name: str | Path, overrides: list[str] = (), search_dirs: list[Path] = ()) -> tuple[Path, dict[str, Any]]:
+def load_config_dict(name: str | Path, overrides: list[str] = (), search_dirs: list[Path] = (),
+                     schema_has: Callable[[list[str]], bool] | None = None) -> tuple[Path, dict[str, Any]]:
     """The resolved plain-dict config and the file it came from."""
     path = find_config(name, list(search_dirs))
     config = _strip_override_marks(load_with_defaults(path))
     for override in overrides:
         try:
-            apply_override(config, override)
+            apply_override(config, override, schema_has)
         except ConfigError as exc:
             raise ConfigError(exc.detail, file="command line", key=exc.key) from None
     try:
