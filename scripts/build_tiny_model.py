@@ -1,8 +1,9 @@
 """Build `arith-tiny`, the bundled tiny model that `grpo train` uses with no config.
 
 The job: a ~1M-parameter Qwen2-style model with a locally trained character tokenizer, SFT-warmed
-on 2-digit addition until its held-out greedy accuracy first reaches TARGET_ACCURACY, so that the
-offline GRPO demo starts half-trained and has room (and reward signal) to improve. Nothing is
+on 2-digit addition so that the offline GRPO demo starts with room (and reward signal) to
+improve: by default (recipe biased-carry, see CARRY_DROP_PROB) trained to convergence on labels
+that often drop the units carry; `--recipe early-stop` stops plain SFT at TARGET_ACCURACY. Nothing is
 downloaded. The boundary: this script knows the task format of `grpo_data.arithmetic`
 (prompt "37+5=", answer "42" then EOS, no BOS, no chat template) but imports no grpo package.
 
@@ -75,6 +76,19 @@ FINE_EVAL_FROM = 0.30
 FINE_EVAL_EVERY = 1
 TARGET_ACCURACY = 0.45  # stop at the first evaluation at or above this
 MAX_STEPS = 20_000  # a guard; the target is normally reached far earlier
+
+# --- the "biased-carry" recipe (the default) ---
+# A checkpoint stopped half-way through SFT sits on a sharp, unstable point: its greedy accuracy
+# swings 10-20 points between consecutive SFT steps, and GRPO updates (even Adam at 1e-5..1e-4)
+# push it off that point rather than towards the reward (measured: 0.54 -> 0.42 in 12 steps).
+# Instead, train to convergence on labels with a systematic error: for problems whose units
+# digits carry, the label drops the carry with probability CARRY_DROP_PROB. The converged model
+# is smooth, answers no-carry problems right, and prefers the carry-dropped answer on carry
+# problems while still sampling the right one often: a bias that only the reward can fix.
+CARRY_DROP_PROB = 0.6
+BIASED_SFT_STEPS = 1000
+BIASED_EVAL_EVERY = 100
+BIASED_GRAD_CLIP = 1.0
 
 
 @dataclass(frozen=True)
@@ -333,6 +347,64 @@ def sft(model, tokenizer, heldout: list[tuple[int, int]], seed: int, log=print) 
     raise RuntimeError(f"SFT did not reach {TARGET_ACCURACY:.0%} held-out accuracy in {MAX_STEPS} steps")
 
 
+def has_carry(a: int, b: int) -> bool:
+    return a % 10 + b % 10 >= 10
+
+
+def carry_dropped(a: int, b: int) -> int:
+    """The sum with the units carry forgotten, e.g. 37+48 -> 75."""
+    return (a // 10 + b // 10) * 10 + (a % 10 + b % 10) % 10
+
+
+def sft_biased(model, tokenizer, heldout: list[tuple[int, int]], seed: int, log=print) -> SFTResult:
+    """SFT to convergence (warm-up + cosine to 0) on carry-biased labels; see CARRY_DROP_PROB."""
+    import math
+
+    import torch
+
+    pool = training_pool(heldout)
+    rng = random.Random(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
+    model.train()
+    history: list[tuple[int, float, float]] = []
+    eval_seconds = 0.0
+    start = time.perf_counter()
+    for step in range(1, BIASED_SFT_STEPS + 1):
+        warm = min(1.0, step / WARMUP_STEPS)
+        lr = LEARNING_RATE * warm * 0.5 * (1 + math.cos(math.pi * step / BIASED_SFT_STEPS))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        seqs = []
+        for a, b in (pool[rng.randrange(len(pool))] for _ in range(BATCH_SIZE)):
+            answer = carry_dropped(a, b) if has_carry(a, b) and rng.random() < CARRY_DROP_PROB else a + b
+            prompt = tokenizer(prompt_text(a, b), add_special_tokens=False).input_ids
+            target = tokenizer(str(answer), add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+            seqs.append((prompt + target, [-100] * len(prompt) + target))
+        width = max(len(x) for x, _ in seqs)
+        input_ids = torch.full((BATCH_SIZE, width), tokenizer.pad_token_id, dtype=torch.long)  # [B, L]
+        labels = torch.full((BATCH_SIZE, width), -100, dtype=torch.long)  # [B, L]
+        mask = torch.zeros((BATCH_SIZE, width), dtype=torch.long)  # [B, L]
+        for i, (x, y) in enumerate(seqs):
+            input_ids[i, : len(x)], labels[i, : len(x)], mask[i, : len(x)] = torch.tensor(x), torch.tensor(y), 1
+        logits = model(input_ids=input_ids, attention_mask=mask).logits  # [B, L, V]
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1), ignore_index=-100
+        )
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), BIASED_GRAD_CLIP)
+        optimizer.step()
+        if step % BIASED_EVAL_EVERY == 0 or step == BIASED_SFT_STEPS:
+            eval_start = time.perf_counter()
+            acc = accuracy(greedy_answers(model, tokenizer, heldout), heldout)
+            eval_seconds += time.perf_counter() - eval_start
+            elapsed = time.perf_counter() - start
+            history.append((step, round(elapsed, 2), acc))
+            log(f"step {step:5d}  {elapsed:6.1f}s  lr {lr:.1e}  loss {loss.item():.4f}  held-out greedy acc {acc:.3f}")
+    elapsed = time.perf_counter() - start
+    return SFTResult(BIASED_SFT_STEPS, elapsed, elapsed - eval_seconds, history[-1][2], history)
+
+
 # ---------------------------------------------------------------------------------------------
 # vLLM check
 # ---------------------------------------------------------------------------------------------
@@ -373,7 +445,9 @@ def build_record(out: Path, args, argv, model, tokenizer, result: SFTResult, tes
         "pad_token_id": tokenizer.pad_token_id,
         "bos_token": None,
         "heldout_seed": HELDOUT_SEED,
-        "target_accuracy": TARGET_ACCURACY,
+        "recipe": args.recipe,
+        "carry_drop_prob": CARRY_DROP_PROB if args.recipe == "biased-carry" else None,
+        "target_accuracy": TARGET_ACCURACY if args.recipe == "early-stop" else None,
         "sft": asdict(result),
         "test_subset_accuracy": accuracy(hf_test_answers, test_set),
         "test_subset_hf_answers": hf_test_answers,
@@ -405,11 +479,26 @@ def write_readme(out: Path, info: dict) -> None:
         else "- vLLM check: not run for this build (`--skip-vllm`)."
     )
     s = info["sft"]
+    if info.get("recipe") == "biased-carry":
+        sft_lines = f"""- SFT recipe **biased-carry**: AdamW lr {LEARNING_RATE} ({WARMUP_STEPS} warm-up steps, cosine to 0), clipping
+  {BIASED_GRAD_CLIP}, batch {BATCH_SIZE}, {BIASED_SFT_STEPS} steps, loss on answer tokens + EOS, pairs drawn from all 10,000
+  minus the {NUM_HELDOUT} held-out ones. For problems whose units digits carry, the label drops the carry
+  (37+48 -> 75) with probability {CARRY_DROP_PROB}: the converged model answers no-carry problems right and
+  prefers the carry-dropped answer on carry problems while still sampling the right one often, a
+  systematic bias that GRPO's reward removes within a few steps. (A checkpoint stopped half-way
+  through plain SFT sits on a sharp point whose accuracy swings 10-20 points per SFT step; GRPO
+  pushed it off that point rather than towards the reward.)
+- {s['steps']} steps, {s['seconds']:.1f} s wall time ({s['train_seconds']:.1f} s of it training) on this machine's 2-core CPU."""
+    else:
+        sft_lines = f"""- SFT recipe **early-stop**: AdamW lr {LEARNING_RATE} (default betas, no weight decay, no clipping), {WARMUP_STEPS} warm-up
+  steps, batch {BATCH_SIZE}, loss on answer tokens + EOS, training pairs = all 10,000 pairs minus the {NUM_HELDOUT}
+  held-out ones, in a seeded order; stopped at the first evaluation >= {TARGET_ACCURACY:.0%}.
+- Stopped after **{s['steps']} steps, {s['seconds']:.1f} s** wall time ({s['train_seconds']:.1f} s of it training)."""
     text = f"""# arith-tiny
 
-The bundled tiny model of `grpo train` with no config: a Qwen2-style causal LM that is
-half-trained (SFT) on 2-digit addition, so that GRPO has room to improve it within minutes on a
-laptop-class CPU. Built by `scripts/build_tiny_model.py`; do not edit these files by hand.
+The bundled tiny model of `grpo train` with no config: a Qwen2-style causal LM trained (SFT) on
+2-digit addition with a systematic carry error, so that GRPO has room to improve it within
+minutes on a laptop-class CPU. Built by `scripts/build_tiny_model.py`; do not edit these files by hand.
 
 ## Task format
 - Prompt `"{{a}}+{{b}}="` with `a, b` in 0..{MAX_OPERAND}, tokenised with `add_special_tokens=False`
@@ -436,12 +525,7 @@ laptop-class CPU. Built by `scripts/build_tiny_model.py`; do not edit these file
 - Seed {info['seed']}; torch {info['torch_version']}, transformers {info['transformers_version']},
   {info['torch_threads']} torch thread(s), deterministic algorithms on. The same seed gives the
   same weights on the same machine.
-- SFT: AdamW lr {LEARNING_RATE} (default betas, no weight decay, no clipping), {WARMUP_STEPS} warm-up steps, batch {BATCH_SIZE}, loss on answer
-  tokens + EOS only, training pairs = all 10,000 pairs minus the {NUM_HELDOUT} held-out ones, in a
-  seeded order. Held-out greedy accuracy evaluated every {EVAL_EVERY} steps (every {FINE_EVAL_EVERY} step(s) once
-  it had reached {FINE_EVAL_FROM:.0%}); training stopped at the first evaluation >= {TARGET_ACCURACY:.0%}.
-- Stopped after **{s['steps']} steps, {s['seconds']:.1f} s** wall time ({s['train_seconds']:.1f} s of it training, the rest
-  evaluation) on a 2-core CPU; timings vary with load, the weights do not.
+{sft_lines}
 - Held-out greedy accuracy (HF `generate`, {NUM_HELDOUT} problems): **{s['heldout_accuracy']:.1%}**;
   on the first {NUM_TEST_PROBLEMS} (the set `tests/test_assets.py` re-checks): {info['test_subset_accuracy']:.1%}.
   The held-out set is `random.Random({HELDOUT_SEED}).sample(range(10000), {NUM_HELDOUT})`, pair `(x // 100, x % 100)`.
@@ -465,6 +549,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=SEED)
     parser.add_argument("--threads", type=int, default=1, help="torch threads; results depend on it")
     parser.add_argument("--skip-vllm", action="store_true", help="skip the real-vLLM greedy check")
+    parser.add_argument("--recipe", choices=("biased-carry", "early-stop"), default="biased-carry",
+                        help="biased-carry: converged SFT on carry-biased labels (default); early-stop: stop at TARGET_ACCURACY")
     args = parser.parse_args(argv)
 
     out: Path = args.out
@@ -489,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(tokenizer)
     heldout = heldout_problems()
     print(f"model: {count_parameters(model):,} parameters; SFT until held-out greedy acc >= {TARGET_ACCURACY:.0%}")
-    result = sft(model, tokenizer, heldout, args.seed)
+    result = sft_biased(model, tokenizer, heldout, args.seed) if args.recipe == "biased-carry" else sft(model, tokenizer, heldout, args.seed)
 
     if out.exists():
         shutil.rmtree(out)

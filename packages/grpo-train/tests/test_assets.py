@@ -13,9 +13,10 @@ from grpo_train.assets import BUILTIN_MODELS, builtin_model_path
 NAME = "arith-tiny"
 NUM_PROBLEMS = 64  # the first 64 of the build's held-out set; build_info.json records their answers
 MAX_NEW_TOKENS = 6
-# The build stops SFT at the first held-out (512 problems) greedy accuracy >= 45 %; on 64 of those
-# problems sampling noise alone is about +-6 points, hence a wider band here.
-ACCURACY_BAND = (0.30, 0.70)
+# The default build (recipe biased-carry) answers problems without a units carry right and mostly
+# drops the carry on the others (61 % held-out greedy accuracy on 512 problems, 75 % on these 64,
+# which have fewer carries); the band leaves room for both recipes' subsets.
+ACCURACY_BAND = (0.30, 0.85)
 # Answers may flip on near-ties on other hardware (other BLAS, GPU); the same machine gives 0.
 MAX_CHANGED_ANSWERS = 3
 PARAMETER_RANGE = (0.8e6, 1.5e6)
@@ -130,6 +131,19 @@ def test_greedy_accuracy_is_in_the_recorded_band(model, tokenizer, problems, bui
     recorded = build_info["test_subset_hf_answers"]
     changed = sum(a != r for a, r in zip(answers, recorded))
     assert changed <= MAX_CHANGED_ANSWERS, (changed, acc, build_info["test_subset_accuracy"])
+
+
+def test_biased_carry_model_drops_carries(model, tokenizer, problems, build_info):
+    """The bias GRPO must remove: right without a carry, carry-dropped answers with one."""
+    if build_info.get("recipe") != "biased-carry":
+        pytest.skip("built with another recipe")
+    answers = hf_greedy_answers(model, tokenizer, problems)
+    carry = [(ans, (a, b)) for ans, (a, b) in zip(answers, problems) if a % 10 + b % 10 >= 10]
+    plain = [(ans, (a, b)) for ans, (a, b) in zip(answers, problems) if a % 10 + b % 10 < 10]
+    assert sum(ans.strip() == str(a + b) for ans, (a, b) in plain) >= 0.9 * len(plain)
+    dropped = sum(ans.strip() == str((a // 10 + b // 10) * 10 + (a % 10 + b % 10) % 10) for ans, (a, b) in carry)
+    right = sum(ans.strip() == str(a + b) for ans, (a, b) in carry)
+    assert dropped > right and dropped >= 0.5 * len(carry), (dropped, right, len(carry))
 
 
 @pytest.mark.slow
