@@ -127,3 +127,22 @@ def test_hub_model_without_network_says_what_to_set(tmp_path):
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert "set policy.model_name=/path/to/local/copy" in result.stderr
+
+
+@pytest.mark.slow
+def test_multi_turn_training_run(tmp_path):
+    """max_rollout_turns > 1 through the whole loop: arithmetic prompts routed to the
+    number-guessing environment, which answers wrong sums with "higher"/"lower"."""
+    run_dir = tmp_path / "run"
+    result = run_grpo(
+        "train", "--run-dir", str(run_dir), *SHORT, "grpo.max_num_steps=2", "grpo.val_period=0",
+        "grpo.val_at_end=false", "grpo.max_rollout_turns=3", "data.train.env_name=number_guess",
+        "+env.number_guess.num_workers=1", "+env.number_guess.max_turns=3", "checkpointing.enabled=false",
+        "logger.wandb_enabled=false", "logger.tensorboard_enabled=false", "logger.plot_enabled=false", cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    train = [r for r in read_metrics(run_dir) if r["split"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    # Wrong first guesses get a second turn, so the mean is above 1 and at most 3.
+    assert all(1.0 < r["turns_mean"] <= 3.0 for r in train)
+    assert all(r["refit/max_abs_logprob_diff"] < 1e-3 for r in train)

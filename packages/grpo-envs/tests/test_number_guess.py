@@ -69,3 +69,15 @@ def test_less(a, b, expected):
 def test_bad_target():
     with pytest.raises(ValueError, match="'target' must be an integer"):
         grpo_envs.make("number_guess").step([[]], [{"target": "abc"}])
+
+
+def test_ground_truth_stands_in_for_target():
+    from grpo_envs import make
+
+    env = make("number_guess", max_turns=3)
+    log = [{"role": "user", "content": "12+30="}, {"role": "assistant", "content": "40"}]
+    out = env.step([log], [{"ground_truth": "42"}])
+    assert out.rewards == [0.0] and out.terminateds == [False]
+    assert out.observations[0] == {"role": "environment", "content": "higher"}
+    out = env.step([log[:1] + [{"role": "assistant", "content": "42"}]], [{"ground_truth": "42"}])
+    assert out.rewards == [1.0] and out.terminateds == [True]

@@ -5,7 +5,8 @@ The model guesses a secret integer; each wrong guess gets an observation message
 or ``max_turns`` guesses have been made (reward 0, done). A guess is the first integer of the
 response; a response without one counts as a turn and is told so.
 
-env_info: ``{"target": int, "max_turns": int (optional)}``.
+env_info: ``{"target": int, "max_turns": int (optional)}``; ``ground_truth`` stands in for a
+missing ``target``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ class NumberGuessEnv(Environment):
     def step(self, message_logs: list[list[dict]], env_infos: list[dict]) -> EnvOutput:
         rewards, observations, terminateds, metadata = [], [], [], []
         for i, (log, info) in enumerate(zip(message_logs, env_infos, strict=True)):
-            target = canonical_integer(str(info.get("target", "")))
+            # `ground_truth` (what grpo-data's processors emit) serves when no `target` is given,
+            # so any dataset with integer answers can drive a guessing conversation.
+            target = canonical_integer(str(info.get("target", info.get("ground_truth", ""))))
             if target is None:
                 raise ValueError(f"number_guess env: sample {i}: 'target' must be an integer, got {info.get('target')!r}")
             max_turns = int(info.get("max_turns", self.max_turns))
