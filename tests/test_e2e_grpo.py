@@ -146,3 +146,17 @@ def test_multi_turn_training_run(tmp_path):
     # Wrong first guesses get a second turn, so the mean is above 1 and at most 3.
     assert all(1.0 < r["turns_mean"] <= 3.0 for r in train)
     assert all(r["refit/max_abs_logprob_diff"] < 1e-3 for r in train)
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("grpo.async_grpo.enabled=true", "grpo.async_grpo.enabled: async GRPO is not available"),
+        ("policy.num_workers=2", "policy.num_workers: 2 data-parallel workers are not available"),
+    ],
+)
+def test_unavailable_features_are_refused_at_startup(tmp_path, override, words):
+    extra = ["loss_fn.use_importance_sampling_correction=true"] if "async" in override else []
+    result = run_grpo("train", override, *extra, cwd=tmp_path, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert words in result.stderr

@@ -38,12 +38,14 @@ def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None =
     from grpo_train.loggers import MetricsLogger
     from grpo_train.policy.worker import NonFiniteLossError
     from grpo_train.run_state import TrainerState, restore_checkpoint
-    from grpo_train.setup import actor_env_vars, build_components, init_ray, resolve_model_path
+    from grpo_train.setup import actor_env_vars, build_components, check_supported, init_ray, resolve_model_path
     from grpo_train.sync_loop import total_steps, train_sync
 
     started = time.perf_counter()
     run_path = Path(run_dir or Path(cfg.logger.log_dir) / run_name).resolve()
     try:
+        for warning in check_supported(cfg):
+            say(f"warning: {warning}")
         model_path = resolve_model_path(cfg.policy.model_name)
     except StartupError as exc:
         say(str(exc))

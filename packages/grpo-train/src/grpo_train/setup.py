@@ -48,6 +48,25 @@ def resolve_model_path(name: str, key: str = "policy.model_name") -> str:
         ) from None
 
 
+def check_supported(cfg: GRPOMasterConfig) -> list[str]:
+    """Refuse settings this version validates but cannot run yet; return warnings for the rest.
+
+    Refused: what would change the algorithm or the resources silently. Warned: efficiency-only
+    switches whose absence leaves the maths unchanged (same loss, more padding).
+    """
+    if cfg.grpo.async_grpo.enabled:
+        raise StartupError("grpo.async_grpo.enabled: async GRPO is not available in this version; set it to false")
+    if cfg.policy.num_workers > 1:
+        raise StartupError(f"policy.num_workers: {cfg.policy.num_workers} data-parallel workers are not available in this "
+                           "version; set it to 1")
+    warnings = []
+    for key, section in (("policy.sequence_packing", cfg.policy.sequence_packing), ("policy.dynamic_batching", cfg.policy.dynamic_batching)):
+        if section.enabled:
+            warnings.append(f"{key}.enabled: the trainer uses padded micro-batches in this version "
+                            "(same loss and gradients, more padding)")
+    return warnings
+
+
 def init_ray(cluster_cfg, env_vars: dict[str, str]) -> None:
     import ray
 
