@@ -20,30 +20,6 @@ EOS = 1
 PROMPTS = [[4, 5, 13, 6, 7, 15], [3, 4, 5], [9] * 10, [20, 30, 40, 50, 8]]
 
 
-def build_tiny_model(path, seed: int = 0) -> None:
-    """A 64-token char-level tokenizer and a random Qwen2 (hidden 128, 2 layers, 2 heads of 64,
-    tied embeddings), saved with save_pretrained."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
-    chars = "0123456789abcdefghijklmnopqrstuvwxyz+-=*/ ?.,:ABCDEFGHIJKLMNO"
-    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
-    assert len(vocab) == 64
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", bos_token="<bos>"
-    ).save_pretrained(path)
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
-        tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0,
-    )
-    Qwen2ForCausalLM(config).save_pretrained(path)
-
-
 def reference_logprobs(model, sequences, prompt_lens, temperature):
     """log_softmax(logits / T) of sequences[i][prompt_lens[i]:], one unpadded forward each."""
     out = []
@@ -61,10 +37,8 @@ def max_abs_diff(a, b):
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-qwen2")
-    build_tiny_model(path)
-    return str(path)
+def model_dir(tiny_qwen2_dir):
+    return tiny_qwen2_dir
 
 
 @pytest.fixture(scope="module")
