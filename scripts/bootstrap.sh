@@ -17,6 +17,16 @@ else
   uv=(python3 -m uv)
 fi
 
+# Registries behind a TLS proxy: uv trusts only its built-in roots unless told otherwise, so
+# reuse the CA bundle pip is configured with when SSL_CERT_FILE is not already set.
+if [ -z "${SSL_CERT_FILE:-}" ]; then
+  cert="$(python3 -m pip config list 2>/dev/null | sed -n "s/^.*\.cert='\([^' ]*\)'.*$/\1/p" | head -n1)"
+  cert="${PIP_CERT:-$cert}"
+  if [ -n "$cert" ] && [ -f "$cert" ]; then
+    export SSL_CERT_FILE="$cert"
+  fi
+fi
+
 # The CPU torch build lives in pip's find-links folder on machines of this kind; the lock
 # names it through the relative index ./wheels, so link it here instead of hard-coding it.
 if [ "$stack" = cpu ] && [ ! -e wheels ]; then
