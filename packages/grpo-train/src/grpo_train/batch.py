@@ -32,17 +32,6 @@ class Rollout:
     turns: int = 1
 
 
-# Keys of the tensor dict shipped to policy workers, with their shapes.
-BATCH_KEYS = {
-    "input_ids": "[B, S] int64, right-padded",
-    "attention_mask": "[B, S] int64",
-    "token_mask": "[B, S] fp32, 1 on response tokens",
-    "gen_logprobs": "[B, S] fp32, generator's sampling logprobs on response tokens",
-    "advantages": "[B, S] fp32, per-sample advantage broadcast to response tokens",
-    "sample_mask": "[B] fp32",
-}
-
-
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -63,12 +52,12 @@ def build_train_batch(rollouts: list[Rollout], advantages: torch.Tensor, sample_
         token_mask[i, p : p + n] = 1.0 if r.response_mask is None else torch.tensor(r.response_mask, dtype=torch.float32)
         gen_logprobs[i, p : p + n] = torch.tensor(r.gen_logprobs, dtype=torch.float32)
     return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "token_mask": token_mask,
-        "gen_logprobs": gen_logprobs,
-        "advantages": advantages.float().view(B, 1) * token_mask,
-        "sample_mask": sample_mask.float(),
+        "input_ids": input_ids,  # [B, S] int64, right-padded
+        "attention_mask": attention_mask,  # [B, S] int64
+        "token_mask": token_mask,  # [B, S] fp32, 1 on generated response tokens
+        "gen_logprobs": gen_logprobs,  # [B, S] fp32, the generator's sampling logprobs
+        "advantages": advantages.float().view(B, 1) * token_mask,  # [B, S] per-sample advantage on response tokens
+        "sample_mask": sample_mask.float(),  # [B]
     }
 
 
@@ -82,13 +71,3 @@ def select_rows(batch: dict[str, torch.Tensor], rows: slice | torch.Tensor) -> d
     width = int(out["attention_mask"].sum(dim=1).max().item()) if out["attention_mask"].numel() else 1
     return {k: (v[:, : max(width, 2)] if v.dim() == 2 else v) for k, v in out.items()}
 
-
-def split_rows(n: int, parts: int) -> list[slice]:
-    """Contiguous row ranges of (nearly) equal size."""
-    base, extra = divmod(n, parts)
-    bounds, start = [], 0
-    for i in range(parts):
-        end = start + base + (1 if i < extra else 0)
-        bounds.append(slice(start, end))
-        start = end
-    return bounds

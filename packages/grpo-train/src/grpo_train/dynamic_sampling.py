@@ -7,7 +7,7 @@ fill the batch (their advantages are 0, so they add no gradient) and the shortfa
 from __future__ import annotations
 
 from grpo_train.advantages import groups_with_signal
-from grpo_train.rollout import RolloutResult, rollout
+from grpo_train.rollout import RolloutResult, rollout_batch
 
 import torch
 
@@ -29,7 +29,7 @@ def fill_with_signal(cfg, parts, sampling, state, first: RolloutResult) -> tuple
             break
         datums = [d for _ in range(cfg.grpo.batch_multiplier) for d in next(parts.train_data)]
         state.consumed_prompts += len(datums)
-        result = rollout(parts.generator, parts.envs, datums, sampling)
+        result = rollout_batch(cfg, parts, datums, sampling)
         rounds += 1
     groups = kept[:target] + spare[: max(0, target - len(kept))]
     rollouts = []

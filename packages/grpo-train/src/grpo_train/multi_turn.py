@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 import ray
 
 from grpo_train.batch import Rollout
-from grpo_train.rollout import RolloutResult, prompt_messages
+from grpo_train.rollout import RolloutResult, prompt_messages, step_environments
 
 
 @dataclass
@@ -75,23 +75,19 @@ def multi_turn_rollout(generator, envs: dict, datums: list, sampling, tokenizer,
             conv.add_generation(list(res.response_ids), list(res.response_logprobs), res.text, res.finish_reason)
 
         start = time.perf_counter()
-        by_env: dict[str, list[_Conversation]] = {}
-        for conv in active:
-            by_env.setdefault(conv.datum.env_name, []).append(conv)
-        for env_name, group in by_env.items():
-            out = envs[env_name].step([c.messages for c in group], [c.datum.extra_env_info for c in group])
-            for conv, reward, obs, done, meta in zip(group, out.rewards, out.observations, out.terminateds, out.metadata):
-                conv.reward += float(reward)
-                conv.metadata = meta
-                conv.done = bool(done) or obs is None
-                if not conv.done:
-                    ids = observation_ids(tokenizer, obs)
-                    room = max_total_len - sampling.max_new_tokens - len(conv.prompt_ids) - len(conv.response_ids)
-                    if len(ids) > room:
-                        conv.done = conv.truncated = True  # no room for the observation and another turn
-                    else:
-                        conv.add_observation(ids, obs)
-            metrics.update({f"env/{env_name}/{k}": v for k, v in out.metrics.items()})
+        env = step_environments(envs, [c.datum for c in active], [c.messages for c in active])
+        for conv, reward, obs, done, meta in zip(active, env.rewards, env.observations, env.terminateds, env.metadata):
+            conv.reward += reward
+            conv.metadata = meta
+            conv.done = done or obs is None
+            if not conv.done:
+                ids = observation_ids(tokenizer, obs)
+                room = max_total_len - sampling.max_new_tokens - len(conv.prompt_ids) - len(conv.response_ids)
+                if len(ids) > room:
+                    conv.done = conv.truncated = True  # no room for the observation and another turn
+                else:
+                    conv.add_observation(ids, obs)
+        metrics.update(env.metrics)
         reward_s += time.perf_counter() - start
     rollouts = [
         Rollout(prompt_index=c.prompt_index, prompt_ids=c.prompt_ids, response_ids=c.response_ids,

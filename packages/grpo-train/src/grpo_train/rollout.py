@@ -29,42 +29,64 @@ def prompt_messages(datum) -> list[dict]:
     return [{"role": m["role"], "content": m["content"]} for m in datum.message_log]
 
 
-def score_responses(envs: dict, datums: list, samples_per_prompt: int, texts: list[str]) -> tuple[list[float], list[dict], dict[str, float]]:
-    """Send each response to its datum's environment; rewards come back in sample order."""
+@dataclass
+class EnvStep:
+    """Environment answers for a batch of conversations, in the order they were given."""
+
+    rewards: list[float]
+    observations: list[dict | None]
+    terminateds: list[bool]
+    metadata: list[dict]
+    metrics: dict[str, float]
+
+
+def step_environments(envs: dict, datums: list, message_logs: list[list[dict]]) -> EnvStep:
+    """Send conversation i to the environment its datum names; answers come back in order."""
     by_env: dict[str, list[int]] = defaultdict(list)
-    for i in range(len(texts)):
-        by_env[datums[i // samples_per_prompt].env_name].append(i)
-    rewards = [0.0] * len(texts)
-    metadata: list[dict] = [{} for _ in texts]
-    metrics: dict[str, float] = {}
+    for i, datum in enumerate(datums):
+        by_env[datum.env_name].append(i)
+    n = len(datums)
+    step = EnvStep([0.0] * n, [None] * n, [True] * n, [{} for _ in range(n)], {})
     for env_name, rows in by_env.items():
         if env_name not in envs:
             raise KeyError(f"data routes samples to environment {env_name!r}, but env has only {sorted(envs)}")
-        logs = [[*prompt_messages(datums[i // samples_per_prompt]), {"role": "assistant", "content": texts[i]}] for i in rows]
-        infos = [datums[i // samples_per_prompt].extra_env_info for i in rows]
-        out = envs[env_name].step(logs, infos)
-        for i, reward, meta in zip(rows, out.rewards, out.metadata):
-            rewards[i] = float(reward)
-            metadata[i] = meta
-        metrics.update({f"env/{env_name}/{k}": v for k, v in out.metrics.items()})
-    return rewards, metadata, metrics
+        out = envs[env_name].step([message_logs[i] for i in rows], [datums[i].extra_env_info for i in rows])
+        for j, i in enumerate(rows):
+            step.rewards[i] = float(out.rewards[j])
+            step.observations[i] = out.observations[j]
+            step.terminateds[i] = bool(out.terminateds[j])
+            step.metadata[i] = out.metadata[j]
+        step.metrics.update({f"env/{env_name}/{k}": v for k, v in out.metrics.items()})
+    return step
 
 
 def rollout(generator, envs: dict, datums: list, sampling: SamplingSpec) -> RolloutResult:
-    """Generate `sampling.n` responses per datum and score them."""
+    """Generate `sampling.n` responses per datum and score them (one turn)."""
     start = time.perf_counter()
     prompts = [d.token_ids.tolist() for d in datums]
     results = ray.get(generator.generate.remote(prompts, sampling))
     generate_s = time.perf_counter() - start
     start = time.perf_counter()
-    rewards, metadata, env_metrics = score_responses(envs, datums, sampling.n, [r.text for r in results])
+    sample_datums = [datums[r.prompt_index] for r in results]
+    logs = [[*prompt_messages(d), {"role": "assistant", "content": r.text}] for d, r in zip(sample_datums, results)]
+    env = step_environments(envs, sample_datums, logs)
     reward_s = time.perf_counter() - start
     rollouts = []
-    for i, (res, reward, meta) in enumerate(zip(results, rewards, metadata)):
+    for res, reward, meta in zip(results, env.rewards, env.metadata):
         datum = datums[res.prompt_index]
         rollouts.append(Rollout(
             prompt_index=res.prompt_index, prompt_ids=list(res.prompt_ids), response_ids=list(res.response_ids),
             gen_logprobs=list(res.response_logprobs), text=res.text, truncated=res.finish_reason == "length",
             reward=reward, loss_multiplier=float(datum.loss_multiplier), task_name=datum.task_name, dataset_name=getattr(datum, "dataset_name", ""), env_metadata=meta,
         ))
-    return RolloutResult(rollouts, env_metrics, generate_s, reward_s)
+    return RolloutResult(rollouts, env.metrics, generate_s, reward_s)
+
+
+def rollout_batch(cfg, parts, datums: list, sampling: SamplingSpec) -> RolloutResult:
+    """The training rollout the config asks for: one turn, or multi-turn conversations."""
+    if cfg.grpo.max_rollout_turns > 1:
+        from grpo_train.multi_turn import multi_turn_rollout
+
+        return multi_turn_rollout(parts.generator, parts.envs, datums, sampling, parts.tokenizer,
+                                  cfg.grpo.max_rollout_turns, cfg.policy.max_total_sequence_length)
+    return rollout(parts.generator, parts.envs, datums, sampling)

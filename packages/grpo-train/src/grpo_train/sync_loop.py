@@ -11,7 +11,7 @@ import ray
 
 from grpo_train.config.schema import GRPOMasterConfig
 from grpo_train.generation.base import SamplingSpec
-from grpo_train.rollout import rollout
+from grpo_train.rollout import rollout_batch
 from grpo_train.run_state import TrainerState, save_checkpoint
 from grpo_train.train_step import PhaseTimer, add_logprobs, check_refit, prepare_batch, push_weights
 from grpo_train.validation import validate
@@ -61,13 +61,7 @@ def collect_rollouts(cfg: GRPOMasterConfig, parts, sampling: SamplingSpec, state
     """One rollout; with dynamic sampling, more rounds until enough groups carry signal."""
     datums = next(parts.train_data)
     state.consumed_prompts += len(datums)
-    if cfg.grpo.max_rollout_turns > 1:
-        from grpo_train.multi_turn import multi_turn_rollout
-
-        result = multi_turn_rollout(parts.generator, parts.envs, datums, sampling, parts.tokenizer,
-                                    cfg.grpo.max_rollout_turns, cfg.policy.max_total_sequence_length)
-    else:
-        result = rollout(parts.generator, parts.envs, datums, sampling)
+    result = rollout_batch(cfg, parts, datums, sampling)
     if not cfg.grpo.use_dynamic_sampling:
         return result, {}
     from grpo_train.dynamic_sampling import fill_with_signal

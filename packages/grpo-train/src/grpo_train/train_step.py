@@ -5,7 +5,7 @@ Each function is one phase of the loop, shared by the sync and async loops.
 
 from __future__ import annotations
 
-import math
+import contextlib
 import time
 
 import ray
@@ -78,25 +78,16 @@ class PhaseTimer:
     def add(self, name: str, seconds: float) -> None:
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
 
+    @contextlib.contextmanager
     def __call__(self, name: str):
-        timer = self
-
-        class _Span:
-            def __enter__(self):
-                self.t0 = time.perf_counter()
-
-            def __exit__(self, *exc):
-                timer.add(name, time.perf_counter() - self.t0)
-
-        return _Span()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - start)
 
     def metrics(self) -> dict[str, float]:
         out = {f"timing/{k}_s": v for k, v in self.seconds.items()}
         out["timing/step_s"] = time.perf_counter() - self._start
         return out
 
-
-def finite_or_raise(metrics: dict[str, float], keys: tuple[str, ...] = ("loss",)) -> None:
-    for key in keys:
-        if key in metrics and not math.isfinite(metrics[key]):
-            raise FloatingPointError(f"{key} is {metrics[key]}")
