@@ -160,3 +160,21 @@ def test_unavailable_features_are_refused_at_startup(tmp_path, override, words):
     result = run_grpo("train", override, *extra, cwd=tmp_path, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert words in result.stderr
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_keeps_only_groups_with_signal(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_grpo(
+        "train", "--run-dir", str(run_dir), *SHORT, "grpo.max_num_steps=2", "grpo.val_period=0",
+        "grpo.val_at_end=false", "grpo.use_dynamic_sampling=true", "grpo.dynamic_sampling_max_gen_batches=4",
+        "checkpointing.enabled=false", "logger.wandb_enabled=false", "logger.tensorboard_enabled=false",
+        "logger.plot_enabled=false", cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    train = [r for r in read_metrics(run_dir) if r["split"] == "train"]
+    for r in train:
+        assert r["num_samples"] == 8 * 8  # the batch keeps num_prompts_per_step groups
+        assert 1 <= r["dynamic_sampling/rounds"] <= 4
+        if r["dynamic_sampling/groups_short"] == 0:
+            assert r["groups_with_signal"] == 1.0  # every kept group has reward spread
