@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -396,6 +396,82 @@ class CheckpointingConfig(Section):
     checkpoint_must_save_by: str | None = None
 
 
+# ----------------------------------------------------------------------- ppo and value
+GROUP_RELATIVE_ESTIMATORS = ("grpo", "rloo", "grpo_passk", "reinforce_plus_plus", "opo", "remax")
+"""Estimators whose baseline is the prompt's group of samples: they belong to GRPO, not PPO."""
+
+
+class AdvEstimatorConfig(Section):
+    name: Literal["gae", "raw_reward"] = "gae"
+    """gae: token-level GAE with the value model; raw_reward: the discounted reward-to-go (no baseline)."""
+    gae_gamma: float = Field(1.0, ge=0, le=1)
+    """Discount per token."""
+    gae_lambda: float = Field(0.95, ge=0, le=1)
+    """GAE lambda for both advantages and value targets, unless the two lambdas below are set."""
+    policy_gae_lambda: float | None = Field(None, ge=0, le=1)
+    """Lambda of the policy's advantages (VAPO decoupled GAE); null: gae_lambda."""
+    value_gae_lambda: float | None = Field(None, ge=0, le=1)
+    """Lambda of the value targets (returns); null: gae_lambda."""
+    length_adaptive_alpha: float | None = Field(None, gt=0)
+    """VAPO length-adaptive policy lambda = 1 - 1/(alpha * response_length); overrides policy_gae_lambda."""
+    normalize_advantages: bool = True
+    """Whiten advantages over the valid tokens of the rollout batch (mean 0, std 1)."""
+
+    @field_validator("name", mode="before")
+    @classmethod
+    def _not_group_relative(cls, name: Any) -> Any:
+        if name in GROUP_RELATIVE_ESTIMATORS:
+            raise ValueError(f"{name!r} is group-relative; use GRPO (remove the ppo section) or choose gae / raw_reward")
+        return name
+
+
+class PPOConfig(Section):
+    """Present => the run is PPO (grpo_train.ppo). The `grpo` section still supplies what the two
+    algorithms share: prompts and samples per step, steps, epochs, validation, seed, reward
+    scaling/shaping, overlong filtering, dynamic sampling, refit check. GRPO's group-baseline
+    keys (normalize_rewards, use_leave_one_out_baseline, advantage clips) are not used."""
+
+    adv_estimator: AdvEstimatorConfig = AdvEstimatorConfig()
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes of policy and value training over each rollout batch (prev logprobs and old values stay fixed)."""
+    policy_training_start_step: int = Field(1, ge=1)
+    """First step whose batch trains the policy; earlier steps train only the value model (critic warm-up)."""
+    use_kl_in_reward: bool = False
+    """Subtract kl_in_reward_coef * (prev - ref) from every response token's reward (needs the
+    reference, which the policy worker holds when loss_fn.reference_policy_kl_penalty > 0)."""
+    kl_in_reward_coef: float = Field(0.001, ge=0)
+    """Per-token KL penalty coefficient in the reward."""
+
+
+class ValueLossConfig(Section):
+    value_clip: float | None = Field(0.2, gt=0)
+    """Clip of the new value around the rollout's value: old + clamp(v - old, +-value_clip); null: plain MSE."""
+    token_level_loss: bool = True
+    """Mean over all valid tokens of the global batch (false: mean of per-sequence means)."""
+
+
+class ValueConfig(Section):
+    model_name: str | None = None
+    """Backbone checkpoint of the value model (HF name, path or builtin:); null: policy.model_name."""
+    precision: Literal["float32", "bfloat16", "float16"] = "float32"
+    train_global_batch_size: int | None = Field(None, ge=1)
+    """Samples per value optimizer step; null: policy.train_global_batch_size."""
+    train_micro_batch_size: int = Field(4, ge=1)
+    """Samples per forward/backward."""
+    inference_batch_size: int = Field(4, ge=1)
+    """Samples per forward when computing the rollout's values."""
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    optimizer: OptimizerConfig = OptimizerConfig(kwargs={"lr": 1e-5, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8})
+    scheduler: list[SchedulerEntry] = []
+
+    @model_validator(mode="after")
+    def _batching(self) -> ValueConfig:
+        if self.train_global_batch_size is not None and self.train_global_batch_size % self.train_micro_batch_size:
+            raise ValueError(f"train_global_batch_size ({self.train_global_batch_size}) must be a multiple of "
+                             f"train_micro_batch_size ({self.train_micro_batch_size})")
+        return self
+
+
 class GRPOMasterConfig(Section):
     grpo: GRPOConfig = GRPOConfig()
     loss_fn: LossConfig = LossConfig()
@@ -405,9 +481,33 @@ class GRPOMasterConfig(Section):
     logger: LoggerConfig = LoggerConfig()
     cluster: ClusterConfig = ClusterConfig()
     checkpointing: CheckpointingConfig = CheckpointingConfig()
+    ppo: PPOConfig | None = None
+    """The algorithm switch: absent => GRPO; a `ppo:` section (even `ppo: {}`) => PPO with a value model."""
+    value: ValueConfig | None = None
+    """PPO's value model; filled with defaults when `ppo` is present."""
+    value_loss_fn: ValueLossConfig | None = None
+    """PPO's clipped MSE value loss; filled with defaults when `ppo` is present."""
+
+    @property
+    def algorithm(self) -> Literal["grpo", "ppo"]:
+        return "ppo" if self.ppo is not None else "grpo"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ppo_sections(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        if data.get("ppo") is None:
+            for key in ("value", "value_loss_fn"):
+                if data.get(key) is not None:
+                    raise ValueError(f"{key}: only PPO has a value model; add a `ppo:` section or remove `{key}`")
+            return data
+        return {**data, "value": data.get("value") or {}, "value_loss_fn": data.get("value_loss_fn") or {}}
 
     @model_validator(mode="after")
     def _cross_section(self) -> GRPOMasterConfig:
+        if self.ppo is not None:
+            self._check_ppo()
         samples = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
         if samples % self.policy.train_global_batch_size:
             raise ValueError(
@@ -422,3 +522,18 @@ class GRPOMasterConfig(Section):
             if self.policy.generation.colocated.enabled and self.cluster.gpus_per_node > 0:
                 raise ValueError("grpo.async_grpo needs policy.generation.colocated.enabled: false on GPUs")
         return self
+
+    def _check_ppo(self) -> None:
+        if self.grpo.async_grpo.enabled:
+            raise ValueError("grpo.async_grpo: PPO runs synchronously; set grpo.async_grpo.enabled: false")
+        if self.ppo.use_kl_in_reward and self.loss_fn.reference_policy_kl_penalty == 0:
+            raise ValueError("ppo.use_kl_in_reward needs the reference policy, which is loaded only when "
+                             "loss_fn.reference_policy_kl_penalty > 0")
+        samples = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
+        value_batch = self.value.train_global_batch_size or self.policy.train_global_batch_size
+        if samples % value_batch:
+            raise ValueError(f"grpo.num_prompts_per_step * grpo.num_generations_per_prompt ({samples}) must be a "
+                             f"multiple of value.train_global_batch_size ({value_batch})")
+        if value_batch % self.value.train_micro_batch_size:
+            raise ValueError(f"value.train_global_batch_size ({value_batch}) must be a multiple of "
+                             f"value.train_micro_batch_size ({self.value.train_micro_batch_size})")
