@@ -2,14 +2,15 @@
 
 Job: turn a training model into the tensors a generator's `update_weights` expects
 (`state_dict_for_refit`), and compare trainer and generator logprobs on a probe batch after a
-push (`check_refit`). The receiving side is `grpo_train.generation.vllm_worker_ext`.
+push (`check_refit`). How the tensors travel is `grpo_train.weight_transport`; the receiving
+side is `grpo_train.generation.vllm_worker_ext`.
 Boundary: no Ray, no vLLM import; the loop decides when to push and what probe to score.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:
     import torch
@@ -66,18 +67,16 @@ def check_refit(
     return worst
 
 
-def state_dict_for_refit(
-    model: torch.nn.Module, *, dtype: torch.dtype | None = None
-) -> dict[str, torch.Tensor]:
-    """The model's weights as a generator loads them: HF parameter names, contiguous CPU
-    tensors (full tensors for DTensor/FSDP2 shards), optionally cast to `dtype`.
+def iter_refit_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full detached tensor) of every weight a generator loads, in state-dict order,
+    on the model's device and without copies (the transports decide where tensors go).
 
     Tied weights are sent once, under the first name (`model.embed_tokens.weight`, not
     `lm_head.weight`): vLLM's loaders skip `lm_head.weight` for tied models and the worker
     extension re-processes the tied lm_head itself. Non-persistent buffers (rotary tables) are
-    not part of the state dict and are never sent.
+    not part of the state dict and are never sent. DTensor (FSDP2) shards are gathered into
+    full tensors, a collective call: every rank of the model must iterate together.
     """
-    out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     # keep_vars=True yields the Parameter objects themselves, so tied weights are one object.
     for name, tensor in model.state_dict(keep_vars=True).items():
@@ -87,10 +86,20 @@ def state_dict_for_refit(
         tensor = tensor.detach()
         if hasattr(tensor, "full_tensor"):  # DTensor (FSDP2 shard): gather the full weight
             tensor = tensor.full_tensor()
+        yield name, tensor
+
+
+def state_dict_for_refit(
+    model: torch.nn.Module, *, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """The model's weights as a generator loads them (see `iter_refit_tensors`): HF parameter
+    names, contiguous CPU tensors, optionally cast to `dtype`."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in iter_refit_tensors(model):
         if dtype is not None:
             tensor = tensor.to(dtype)
         out[name] = tensor.to("cpu").contiguous()
     return out
 
 
-__all__ = ["RefitMismatchError", "check_refit", "state_dict_for_refit"]
+__all__ = ["RefitMismatchError", "check_refit", "iter_refit_tensors", "state_dict_for_refit"]

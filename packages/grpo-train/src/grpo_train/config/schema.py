@@ -251,6 +251,12 @@ class GenerationConfig(Section):
     stop_strings: list[str] | None = None
     vllm_cfg: VllmConfig = VllmConfig()
     colocated: ColocatedConfig = ColocatedConfig()
+    weight_transport: Literal["auto", "object_store", "collective", "ipc"] = "auto"
+    """How weights reach the engines after a step (grpo_train.weight_transport): object_store (Ray),
+    collective (gloo/NCCL broadcast in buckets), ipc (colocated GPUs only); auto: ipc when colocated
+    on GPUs, collective when separate, object_store when colocated on CPU."""
+    refit_buffer_size_gb: float = Field(1.0, gt=0)
+    """Largest bucket the collective transport broadcasts at once (bounds the extra memory of a push)."""
 
 
 class PolicyConfig(Section):
@@ -285,6 +291,11 @@ class PolicyConfig(Section):
     def _batching(self) -> PolicyConfig:
         if self.dynamic_batching.enabled and self.sequence_packing.enabled:
             raise ValueError("dynamic_batching and sequence_packing are mutually exclusive: enable at most one")
+        if self.train_global_batch_size % self.num_workers:
+            raise ValueError(
+                f"policy.train_global_batch_size ({self.train_global_batch_size}) must be a multiple of "
+                f"policy.num_workers ({self.num_workers}): each optimizer step splits evenly over the workers"
+            )
         if self.train_global_batch_size % self.train_micro_batch_size:
             raise ValueError(
                 f"train_global_batch_size ({self.train_global_batch_size}) must be a multiple of "

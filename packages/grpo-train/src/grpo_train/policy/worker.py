@@ -52,6 +52,8 @@ class PolicyWorker:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.optimizer = build_optimizer(self.model.parameters(), policy_cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, policy_cfg.scheduler)
+        self._sharded = False  # FSDP2 (GPUs): set by init_distributed
+        self._weight_group = None  # the collective weight transport's group (rank 0 only)
 
     # ----------------------------------------------------------------------------- scoring
     def _logprobs(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -132,6 +134,7 @@ class PolicyWorker:
                 else:
                     sums[key] = sums.get(key, 0.0) + value
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else math.inf
+        self._reduce_gradients()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
         if not (math.isfinite(sums["loss"]) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
@@ -175,3 +178,113 @@ class PolicyWorker:
 
     def ping(self) -> int:
         return os.getpid()
+
+    # ------------------------------------------------- data parallelism and weight transports
+    # Called by grpo_train.policy.group (one Ray actor per rank) and grpo_train.weight_transport.
+    def free_address(self) -> tuple[str, int]:
+        from grpo_train.weight_transport import free_address
+
+        return free_address()
+
+    def whereabouts(self) -> dict[str, object]:
+        """Where this rank runs: Ray node id, IP and pid."""
+        import ray
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
+                "pid": os.getpid(), "rank": self.rank}
+
+    def init_distributed(self, master_addr: str, port: int) -> None:
+        """Join the data-parallel group (NCCL on GPUs, gloo on CPU); on GPUs with
+        `dtensor_cfg.enabled`, shard the model with FSDP2. Every rank calls it at once."""
+        import torch.distributed as dist
+
+        if self.cfg.dtensor_cfg.activation_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        if self.world_size == 1 and not torch.cuda.is_available():
+            return
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{port}", rank=self.rank,
+                                world_size=self.world_size)
+        if backend == "nccl" and self.cfg.dtensor_cfg.enabled:
+            self._shard()
+
+    def _shard(self) -> None:
+        """FSDP2 on this rank's GPU: one unit per decoder layer plus the root. Gradients are
+        summed, not averaged, across ranks (the loss is already divided by global counts)."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
+
+        self.model.to(torch.device("cuda", torch.cuda.current_device()))
+        if self.reference is not None:
+            self.reference.to(self.model.device)
+        kwargs = {"offload_policy": CPUOffloadPolicy()} if self.cfg.dtensor_cfg.cpu_offload else {}
+        for layer in self.model.model.layers:
+            fully_shard(layer, **kwargs)
+        fully_shard(self.model, **kwargs)
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+        # The optimizer must hold the sharded parameters; it has no state yet.
+        self.optimizer = build_optimizer(self.model.parameters(), self.cfg.optimizer)
+        self.scheduler = build_scheduler(self.optimizer, self.cfg.scheduler)
+        self._sharded = True
+
+    def _reduce_gradients(self) -> None:
+        """Sum gradients over data-parallel ranks. Each rank's loss is divided by the global
+        token (or sequence) count, so the sum is the single-worker gradient (GRPO-MATH.md).
+        FSDP2 reduces its own gradients during backward."""
+        if self.world_size == 1 or self._sharded:
+            return
+        import torch.distributed as dist
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        for param, grad in zip(params, _unflatten_dense_tensors(flat, grads)):
+            param.grad = grad
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """The last optimizer step's (reduced) gradients by parameter name, on CPU."""
+        return {name: p.grad.detach().to("cpu").clone() for name, p in self.model.named_parameters() if p.grad is not None}
+
+    def collective_backend(self) -> str:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+
+    def weight_metadata(self) -> list:
+        from grpo_train.weight_sync import iter_refit_tensors
+        from grpo_train.weight_transport import tensor_metadata
+
+        return tensor_metadata(iter_refit_tensors(self.model))
+
+    def open_weight_group(self, host: str, port: int, world_size: int, backend: str) -> None:
+        """Rank 0 only: join the collective weight transport's group as its source (rank 0)."""
+        from grpo_train.weight_transport import open_group
+
+        self._weight_group = open_group(host, port, 0, world_size, backend)
+
+    def send_weights(self, bucket_bytes: int) -> int:
+        """Broadcast the weights in buckets (rank 0); under FSDP2 the other ranks call it too, to
+        take part in gathering each full tensor. Returns the number of buckets sent."""
+        from grpo_train.weight_sync import iter_refit_tensors
+        from grpo_train.weight_transport import send_buckets, tensor_metadata
+
+        if self._weight_group is None:
+            for _ in iter_refit_tensors(self.model):
+                pass
+            return 0
+        metas = tensor_metadata(iter_refit_tensors(self.model))
+        device = self.model.device if self.collective_backend() == "nccl" else torch.device("cpu")
+        tensors = (t for _, t in iter_refit_tensors(self.model))
+        return send_buckets(self._weight_group, tensors, metas, bucket_bytes, device)
+
+    def ipc_handles(self) -> dict[str, list]:
+        """GPU-only (colocated): CUDA IPC handles of the full weights on this rank's device, keyed
+        by the device's UUID so that the vLLM worker on the same GPU picks them."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        from grpo_train.weight_sync import iter_refit_tensors
+
+        self._ipc_tensors = [(name, t.contiguous()) for name, t in iter_refit_tensors(self.model)]
+        uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+        return {uuid: [(name, reduce_tensor(t)) for name, t in self._ipc_tensors]}

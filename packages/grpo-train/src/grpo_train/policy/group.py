@@ -1,0 +1,262 @@
+"""Data-parallel policy workers that the loops drive like one worker.
+
+Job: place N `PolicyWorker` Ray actors with a placement group (one bundle per rank: `{"CPU": 1}`
+on CPU machines, `{"GPU": 1, "CPU": 1}` on GPUs), join them in one torch.distributed group
+(gloo on CPU, NCCL with FSDP2 on GPUs), and split each call's rows across the ranks. The group
+has the worker's method names and is called the same way, `group.<method>.remote(...)` giving
+one ObjectRef, so `sync_loop` and `train_step` run 1 or N workers unchanged.
+
+Each call blocks until every rank is done and returns `ray.put` of the combined result (rows
+concatenated, metrics reduced as the loss defines them); weights come from rank 0 by reference.
+Training splits each optimizer step's rows across ranks and passes every rank the step's
+global valid token and sequence counts, so the summed gradient is the single-worker gradient.
+
+Colocated generation on GPUs (`colocated_generators`): the engines sleep before the trainer
+runs and wake for the weight push; vLLM's sleep mode exists only on GPUs.
+Boundary: no knowledge of rollouts or of the loop; weight pushes go through a transport
+(`grpo_train.weight_transport`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import ray
+import torch
+
+from grpo_train.batch import batch_size
+from grpo_train.config.schema import ClusterConfig, LossConfig, PolicyConfig
+
+# Metrics of clipped_pg_loss that are min/max over ranks; rank-independent ones come from rank 0.
+_MIN_METRICS = ("ratio_min", "clipped_ratio_min")
+_MAX_METRICS = ("ratio_max", "clipped_ratio_max")
+_SHARED_METRICS = ("grad_norm", "lr")
+PLACEMENT_TIMEOUT_S = 120
+
+
+class _RemoteCall:
+    """`group.method.remote(*args)`: the actor-handle calling convention for a group method."""
+
+    def __init__(self, group: PolicyGroup, fn) -> None:
+        self._group, self._fn = group, fn
+
+    def remote(self, *args, **kwargs):
+        return self._fn(self._group, *args, **kwargs)
+
+
+class remote_method:  # noqa: N801 - used as a decorator, named like one
+    def __init__(self, fn) -> None:
+        self._fn = fn
+
+    def __get__(self, group, owner=None):
+        return self if group is None else _RemoteCall(group, self._fn)
+
+
+def worker_bundles(cluster: ClusterConfig, num_workers: int) -> tuple[list[dict[str, float]], str]:
+    """One bundle per rank and the placement strategy: GPUs pack node by node (NCCL ranks of a
+    node stay together); CPU ranks spread over the configured nodes."""
+    if cluster.gpus_per_node > 0:
+        return [{"GPU": 1, "CPU": 1}] * num_workers, "PACK"
+    if cluster.num_nodes == 1:
+        return [{"CPU": 1}] * num_workers, "PACK"
+    return [{"CPU": 1}] * num_workers, "STRICT_SPREAD" if num_workers <= cluster.num_nodes else "SPREAD"
+
+
+def place_bundles(bundles: list[dict[str, float]], strategy: str):
+    """A ready placement group, or a StartupError-worthy message naming the config keys."""
+    from ray.util.placement_group import placement_group
+
+    pg = placement_group(bundles, strategy=strategy)
+    ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+    if not ready:
+        ray.util.remove_placement_group(pg)
+        raise RuntimeError(
+            f"policy.num_workers / cluster: {len(bundles)} bundles of {bundles[0]} ({strategy}) do not fit the Ray "
+            f"cluster within {PLACEMENT_TIMEOUT_S} s; it has {ray.cluster_resources()}"
+        )
+    return pg
+
+
+def split_rows(n: int, world_size: int) -> list[slice]:
+    """Contiguous, near-equal row ranges, one per rank (empty ranges when n < world_size)."""
+    bounds = [n * r // world_size for r in range(world_size + 1)]
+    return [slice(bounds[r], bounds[r + 1]) for r in range(world_size)]
+
+
+def take_rows(batch: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tensor]:
+    """The rows of every tensor, keeping the batch's width (shards of one batch then concatenate)."""
+    return {key: value[rows] for key, value in batch.items()}
+
+
+def combine_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """Loss-like metrics are partial sums of global means, so ranks add up; min/max reduce;
+    the gradient norm and lr are the same on every rank (after the all-reduce)."""
+    out: dict[str, float] = {}
+    for key in per_rank[0]:
+        values = [m[key] for m in per_rank if key in m]
+        if key in _MIN_METRICS:
+            out[key] = min(values)
+        elif key in _MAX_METRICS:
+            out[key] = max(values)
+        elif key in _SHARED_METRICS:
+            out[key] = values[0]
+        else:
+            out[key] = math.fsum(values)
+    return out
+
+
+class PolicyGroup:
+    """N data-parallel `PolicyWorker` actors behind the worker's method names."""
+
+    def __init__(self, model_path: str, policy_cfg: PolicyConfig, loss_cfg: LossConfig, cluster: ClusterConfig,
+                 seed: int, num_threads: int = 1, colocated_generators: list | None = None) -> None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from grpo_train.policy.worker import PolicyWorker
+
+        self.cfg = policy_cfg
+        self.world_size = policy_cfg.num_workers
+        bundles, strategy = worker_bundles(cluster, self.world_size)
+        self.placement_group = place_bundles(bundles, strategy)
+        # Colocated engines share the rank's GPU, so the worker takes half of it.
+        gpus = (0.5 if colocated_generators is not None else 1.0) if cluster.gpus_per_node > 0 else 0
+        actor = ray.remote(PolicyWorker)
+        self.workers = [
+            actor.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.placement_group, placement_group_bundle_index=rank)).remote(
+                model_path, policy_cfg, loss_cfg, seed, rank=rank, world_size=self.world_size, num_threads=num_threads)
+            for rank in range(self.world_size)
+        ]
+        host, port = ray.get(self.workers[0].free_address.remote())
+        ray.get([w.init_distributed.remote(host, port) for w in self.workers])
+        self._sharded = torch_gpu_sharding(cluster, policy_cfg)
+        self.colocated_generators = colocated_generators or []
+        self._generators_awake = True
+
+    @property
+    def rank0(self):
+        return self.workers[0]
+
+    # -------------------------------------------------------------------------- scoring
+    @remote_method
+    def logprobs(self, batch: dict[str, torch.Tensor], reference: bool = False):
+        self._sleep_generators()
+        rows = split_rows(batch_size(batch), self.world_size)
+        parts = [w.logprobs.remote(take_rows(batch, r), reference=reference) for w, r in zip(self.workers, rows)]
+        return ray.put(torch.cat(ray.get(parts)))  # [B, S]
+
+    @remote_method
+    def score(self, sequences: list[list[int]], prompt_lens: list[int]):
+        """Rank 0's scores; every rank scores too, because ranks agree on micro-batch counts
+        (and run FSDP2's collectives) together."""
+        return [w.score.remote(sequences, prompt_lens) for w in self.workers][0]
+
+    # ------------------------------------------------------------------------- training
+    @remote_method
+    def train(self, batch: dict[str, torch.Tensor]):
+        """Each optimizer step's rows (train_global_batch_size of them) are split across the
+        ranks; each rank gets its share of every step, in step order."""
+        self._sleep_generators()
+        n, per_step = batch_size(batch), self.cfg.train_global_batch_size
+        steps = [slice(k * per_step, min((k + 1) * per_step, n)) for k in range(max(1, n // per_step))]
+        tokens, seqs = [], []
+        shards: list[list[dict[str, torch.Tensor]]] = [[] for _ in self.workers]
+        for step in steps:
+            step_batch = take_rows(batch, step)
+            valid = step_batch["token_mask"] * step_batch["sample_mask"].unsqueeze(1)
+            tokens.append(float(valid.sum()))
+            seqs.append(float(step_batch["sample_mask"].sum()))
+            for rank, rows in enumerate(split_rows(batch_size(step_batch), self.world_size)):
+                shards[rank].append(take_rows(step_batch, rows))
+        calls = [w.train.remote({k: torch.cat([s[k] for s in shard]) for k in batch}, tokens, seqs)
+                 for w, shard in zip(self.workers, shards)]
+        return ray.put(combine_metrics(ray.get(calls)))
+
+    @remote_method
+    def gradients(self):
+        return self.rank0.gradients.remote()
+
+    # ------------------------------------------------------------------ weights and state
+    @remote_method
+    def weights(self):
+        """Rank 0's full weights by reference (under FSDP2 every rank gathers with it)."""
+        self._wake_generators()
+        workers = self.workers if self._sharded else [self.rank0]
+        return [w.weights.remote() for w in workers][0]
+
+    @remote_method
+    def save(self, folder: str):
+        return self.rank0.save.remote(folder)
+
+    @remote_method
+    def load(self, folder: str):
+        ray.get([w.load.remote(folder) for w in self.workers])
+        return ray.put(None)
+
+    @remote_method
+    def ping(self):
+        ray.get([w.ping.remote() for w in self.workers])
+        return self.rank0.ping.remote()
+
+    @remote_method
+    def whereabouts(self):
+        return ray.put(ray.get([w.whereabouts.remote() for w in self.workers]))
+
+    # ------------------------------------------------ weight transports (rank 0 is the source)
+    @remote_method
+    def free_address(self):
+        return self.rank0.free_address.remote()
+
+    @remote_method
+    def collective_backend(self):
+        return self.rank0.collective_backend.remote()
+
+    @remote_method
+    def weight_metadata(self):
+        return self.rank0.weight_metadata.remote()
+
+    @remote_method
+    def open_weight_group(self, host: str, port: int, world_size: int, backend: str):
+        return self.rank0.open_weight_group.remote(host, port, world_size, backend)
+
+    @remote_method
+    def send_weights(self, bucket_bytes: int):
+        self._wake_generators()
+        workers = self.workers if self._sharded else [self.rank0]
+        return [w.send_weights.remote(bucket_bytes) for w in workers][0]
+
+    @remote_method
+    def ipc_handles(self):
+        self._wake_generators()
+        merged: dict[str, list] = {}
+        for handles in ray.get([w.ipc_handles.remote() for w in self.workers]):
+            merged.update(handles)
+        return ray.put(merged)
+
+    def _sleep_generators(self) -> None:
+        if self.colocated_generators and self._generators_awake:
+            ray.get([g.sleep.remote() for g in self.colocated_generators])
+            self._generators_awake = False
+
+    def _wake_generators(self) -> None:
+        if self.colocated_generators and not self._generators_awake:
+            ray.get([g.wake_up.remote() for g in self.colocated_generators])
+            self._generators_awake = True
+
+    def shutdown(self) -> None:
+        for worker in self.workers:
+            ray.kill(worker)
+        ray.util.remove_placement_group(self.placement_group)
+
+
+def torch_gpu_sharding(cluster: ClusterConfig, policy_cfg: PolicyConfig) -> bool:
+    """Whether the workers shard with FSDP2 (GPUs and dtensor_cfg.enabled)."""
+    return cluster.gpus_per_node > 0 and policy_cfg.dtensor_cfg.enabled
+
+
+def make_policy(model_path: str, policy_cfg: PolicyConfig, loss_cfg: LossConfig, cluster: ClusterConfig,
+                seed: int, **kwargs: Any) -> PolicyGroup:
+    group = PolicyGroup(model_path, policy_cfg, loss_cfg, cluster, seed, **kwargs)
+    ray.get(group.ping.remote())
+    return group

@@ -1,0 +1,117 @@
+"""Data-parallel policy workers (real Ray actors, gloo on CPU) against one worker.
+
+The oracle is the single worker on the same global batch: with the loss divided by the global
+valid-token count and gradients summed across ranks, two ranks must give the same loss,
+gradients and updated weights (fp32, 1e-6 relative)."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+
+from grpo_train.config.schema import ClusterConfig, LossConfig, PolicyConfig
+from grpo_train.policy.group import PolicyGroup, combine_metrics, split_rows, worker_bundles
+
+VOCAB = 64
+RTOL = 1e-6
+
+
+def policy_cfg(num_workers: int) -> PolicyConfig:
+    return PolicyConfig(precision="float32", train_global_batch_size=8, train_micro_batch_size=2,
+                        logprob_batch_size=3, max_grad_norm=1.0, num_workers=num_workers,
+                        optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.5}},
+                        generation={"temperature": 0.7})
+
+
+def make_batch(B: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Two optimizer steps of 8 rows with ragged lengths and one masked sample."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(5, 14, (B,), generator=g)
+    S = int(lengths.max())
+    attention_mask = (torch.arange(S)[None, :] < lengths[:, None]).long()
+    token_mask = attention_mask.float().clone()
+    token_mask[:, :3] = 0
+    sample_mask = torch.ones(B)
+    sample_mask[5] = 0
+    adv = torch.randn(B, generator=g)
+    return {"input_ids": torch.randint(3, VOCAB, (B, S), generator=g) * attention_mask,
+            "attention_mask": attention_mask, "token_mask": token_mask,
+            "gen_logprobs": -torch.rand(B, S, generator=g) * token_mask,
+            "advantages": adv[:, None] * token_mask, "sample_mask": sample_mask}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def run_group(model_dir: str, num_workers: int, batch: dict[str, torch.Tensor]):
+    group = PolicyGroup(model_dir, policy_cfg(num_workers), LossConfig(reference_policy_kl_penalty=0.05),
+                        ClusterConfig(), seed=0, num_threads=1)
+    try:
+        batch = dict(batch)
+        batch["prev_logprobs"] = ray.get(group.logprobs.remote(batch))
+        batch["ref_logprobs"] = ray.get(group.logprobs.remote(batch, reference=True))
+        metrics = ray.get(group.train.remote(batch))
+        grads = ray.get(group.gradients.remote())
+        weights = ray.get(group.weights.remote())
+        ranks = ray.get(group.whereabouts.remote())
+        return batch["prev_logprobs"], metrics, grads, weights, ranks
+    finally:
+        group.shutdown()
+
+
+def test_two_data_parallel_workers_match_one_worker(ray_session, tiny_qwen2_dir):
+    batch = make_batch()
+    lp1, m1, g1, w1, _ = run_group(tiny_qwen2_dir, 1, batch)
+    lp2, m2, g2, w2, ranks = run_group(tiny_qwen2_dir, 2, batch)
+    assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["pid"] != ranks[1]["pid"]
+    torch.testing.assert_close(lp2, lp1, rtol=0, atol=1e-6)
+    for key in ("loss", "grad_norm", "lr"):
+        assert abs(m2[key] - m1[key]) <= RTOL * max(abs(m1[key]), 1e-12), (key, m1[key], m2[key])
+    assert m1["grad_norm"] > 0
+    assert g1.keys() == g2.keys() and len(g1) > 0
+    for name in g1:
+        assert rel_err(g2[name], g1[name]) <= RTOL, name
+    for name in w1:
+        assert rel_err(w2[name], w1[name]) <= RTOL, name
+
+
+def test_rows_split_evenly_and_metrics_reduce_like_the_loss():
+    assert split_rows(8, 2) == [slice(0, 4), slice(4, 8)]
+    assert split_rows(5, 2) == [slice(0, 2), slice(2, 5)]
+    merged = combine_metrics([{"loss": 0.25, "ratio_min": 0.9, "ratio_max": 1.1, "grad_norm": 2.0},
+                              {"loss": 0.5, "ratio_min": 0.8, "ratio_max": 1.3, "grad_norm": 2.0}])
+    assert merged == {"loss": 0.75, "ratio_min": 0.8, "ratio_max": 1.3, "grad_norm": 2.0}
+
+
+def test_bundles_follow_the_cluster_shape():
+    assert worker_bundles(ClusterConfig(), 2) == ([{"CPU": 1}] * 2, "PACK")
+    assert worker_bundles(ClusterConfig(num_nodes=2), 2) == ([{"CPU": 1}] * 2, "STRICT_SPREAD")
+    assert worker_bundles(ClusterConfig(num_nodes=2, gpus_per_node=8), 16) == ([{"GPU": 1, "CPU": 1}] * 16, "PACK")
+
+
+def test_global_batch_must_split_over_workers():
+    with pytest.raises(ValueError, match="num_workers"):
+        PolicyConfig(train_global_batch_size=6, train_micro_batch_size=1, num_workers=4)
+
+
+@pytest.mark.gpu
+def test_fsdp2_workers_match_one_gpu_worker(tiny_qwen2_dir):
+    """GPU-only: FSDP2-sharded ranks (NCCL) give the single-GPU gradient."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    batch = make_batch()
+    cluster = ClusterConfig(gpus_per_node=2)
+    out = []
+    for n in (1, 2):
+        group = PolicyGroup(tiny_qwen2_dir, policy_cfg(n), LossConfig(reference_policy_kl_penalty=0.05), cluster, seed=0)
+        b = dict(batch)
+        b["prev_logprobs"] = ray.get(group.logprobs.remote(b))
+        b["ref_logprobs"] = ray.get(group.logprobs.remote(b, reference=True))
+        out.append((ray.get(group.train.remote(b)), ray.get(group.weights.remote())))
+        group.shutdown()
+    (m1, w1), (m2, w2) = out
+    assert abs(m1["loss"] - m2["loss"]) <= 1e-5 * abs(m1["loss"])
+    for name in w1:
+        assert rel_err(w2[name], w1[name]) <= 1e-5, name
