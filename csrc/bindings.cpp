@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "packing.h"
@@ -15,6 +16,13 @@ using IntArray = py::array_t<int64_t, py::array::c_style | py::array::forcecast>
 #ifdef GRPO_WITH_CUDA
 namespace grpo::cuda {
 void position_ids_from_cu_seqlens(uintptr_t cu_seqlens, int64_t n_seqs, uintptr_t out, int64_t total, uintptr_t stream);
+void token_logprobs_fwd(const std::string& dtype, uintptr_t logits, int64_t stride_outer, int64_t stride_inner,
+                        int64_t n_inner, uintptr_t targets, int64_t n_rows, int64_t n_cols, double temperature,
+                        int64_t ignore_index, uintptr_t logprobs, uintptr_t entropy, uintptr_t lse, uintptr_t stream);
+void token_logprobs_bwd(const std::string& dtype, uintptr_t logits, int64_t stride_outer, int64_t stride_inner,
+                        int64_t n_inner, uintptr_t targets, uintptr_t lse, uintptr_t entropy, uintptr_t grad_logprobs,
+                        uintptr_t grad_entropy, uintptr_t grad_logits, int64_t n_rows, int64_t n_cols,
+                        double temperature, int64_t ignore_index, uintptr_t stream);
 }
 #endif
 
@@ -90,6 +98,18 @@ PYBIND11_MODULE(_C, m) {
   m.def("position_ids_from_cu_seqlens_cuda", &grpo::cuda::position_ids_from_cu_seqlens, py::arg("cu_seqlens_ptr"),
         py::arg("n_seqs"), py::arg("out_ptr"), py::arg("total"), py::arg("stream"),
         "Writes per-sequence position ids of a packed stream (int64 device pointers).");
+  m.def("token_logprobs_fwd_cuda", &grpo::cuda::token_logprobs_fwd, py::arg("dtype"), py::arg("logits_ptr"),
+        py::arg("stride_outer"), py::arg("stride_inner"), py::arg("n_inner"), py::arg("targets_ptr"),
+        py::arg("n_rows"), py::arg("n_cols"), py::arg("temperature"), py::arg("ignore_index"),
+        py::arg("logprobs_ptr"), py::arg("entropy_ptr"), py::arg("lse_ptr"), py::arg("stream"),
+        "Per-row logprob, entropy (entropy_ptr 0: skipped) and logsumexp of logits / temperature "
+        "(device pointers; outputs float32, float64 for float64 logits).");
+  m.def("token_logprobs_bwd_cuda", &grpo::cuda::token_logprobs_bwd, py::arg("dtype"), py::arg("logits_ptr"),
+        py::arg("stride_outer"), py::arg("stride_inner"), py::arg("n_inner"), py::arg("targets_ptr"),
+        py::arg("lse_ptr"), py::arg("entropy_ptr"), py::arg("grad_logprobs_ptr"), py::arg("grad_entropy_ptr"),
+        py::arg("grad_logits_ptr"), py::arg("n_rows"), py::arg("n_cols"), py::arg("temperature"),
+        py::arg("ignore_index"), py::arg("stream"),
+        "Writes d(loss)/d(logits) [n_rows, n_cols] in the logits' dtype (device pointers; 0 = no gradient).");
 #else
   m.attr("with_cuda") = false;
 #endif

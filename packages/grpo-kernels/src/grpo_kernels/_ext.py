@@ -7,9 +7,14 @@ Nothing else in grpo-kernels imports `_C`. This file turns its raw entry points 
   `torch.library.custom_op` plus a fake (shape-only) implementation so `torch.compile` can trace
   through it. Its CUDA kernel is the extension's when it was built with CUDA; every other case
   (CPU tensors, a CPU-only build) runs the same computation in PyTorch.
+- the differentiable torch op `grpo_kernels::token_logprobs` (custom_op + fake + autograd, its
+  backward a second op `grpo_kernels::token_logprobs_backward`) over the CUDA kernels of
+  csrc/cuda/token_logprobs.cu, and `token_logprobs()`, the public contract on top of it that
+  `grpo_kernels.dispatch` picks for CUDA tensors when the extension was built with CUDA.
 
-Importing this module is cheap: it does not import torch. The torch op is registered by
-`register_torch_ops()`, which `grpo_kernels.pack_tensors` calls when it is imported.
+Importing this module is cheap: it does not import torch. The torch ops are registered by
+`register_torch_ops()` (position ids; `grpo_kernels.pack_tensors` calls it when imported) and
+`register_logprob_ops()` (on the first `token_logprobs` call).
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ __all__ = [
     "group_by_bin",
     "register_torch_ops",
     "position_ids_from_cu_seqlens",
+    "cuda_extension_serves",
+    "register_logprob_ops",
+    "token_logprobs",
 ]
 
 
@@ -198,3 +206,235 @@ def position_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.
     _check_cu_seqlens(cu_seqlens, total)
     _check_cpu_values(cu_seqlens, total)
     return _position_ids_torch(cu_seqlens, total)
+
+
+# ------------------------------------------------------------------------------------------
+# Token logprobs: torch ops grpo_kernels::token_logprobs (+ its backward) over the CUDA kernels
+# of csrc/cuda/token_logprobs.cu. The ops' default implementation is the reference's chunk math
+# in PyTorch (any device): it serves CPU tensors (tests, opcheck) and a CPU-only build.
+# ------------------------------------------------------------------------------------------
+TOKEN_LOGPROBS_OP = "grpo_kernels::token_logprobs"
+TOKEN_LOGPROBS_BACKWARD_OP = "grpo_kernels::token_logprobs_backward"
+# torch dtype name -> the name the CUDA entry points take.
+CUDA_LOGITS_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "float64": "float64"}
+
+_logprob_ops: Any = None
+
+
+def cuda_extension_serves(logits: torch.Tensor) -> bool:
+    """True when the compiled CUDA token_logprobs kernels take these logits (CUDA tensor, a
+    supported dtype, extension built with CUDA)."""
+    return logits.is_cuda and has_cuda_extension() and _dtype_name(logits) in CUDA_LOGITS_DTYPES
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _check_logprob_args(logits: torch.Tensor, targets: torch.Tensor) -> None:
+    import torch
+
+    if logits.dim() < 2 or not logits.is_floating_point():
+        raise ValueError(f"logits: expected floating-point [T, V] or [B, S, V], got {logits.dtype} {tuple(logits.shape)}")
+    n_rows = logits.numel() // logits.shape[-1] if logits.shape[-1] else 0
+    if targets.dim() != 1 or targets.dtype != torch.int64 or targets.numel() != n_rows:
+        raise ValueError(f"targets: expected int64 [{n_rows}], got {targets.dtype} {tuple(targets.shape)}")
+    if targets.device != logits.device:
+        raise ValueError(f"targets: on {targets.device}, but logits is on {logits.device}")
+
+
+def _rows_layout(logits: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """-> (logits as an [outer, inner, V] view, outer stride, inner stride, inner size). Row r
+    sits at (r // inner) * outer_stride + (r % inner) * inner_stride; a strided [B, S, V] view
+    such as logits[:, :-1] is not copied. V must be contiguous (else the logits are copied)."""
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    if logits.dim() == 2:
+        view = logits.unsqueeze(0)
+    else:
+        try:
+            view = logits.view(-1, logits.shape[-2], logits.shape[-1])
+        except RuntimeError:  # leading dims not mergeable: one copy
+            view = logits.contiguous().view(-1, logits.shape[-2], logits.shape[-1])
+    return view, view.stride(0), view.stride(1), view.shape[1]
+
+
+def _current_stream(device: torch.device) -> int:
+    import torch
+
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _logprobs_fwd_torch(logits, targets, temperature, ignore_index, return_entropy):
+    from grpo_kernels import reference as R
+
+    rows = logits.reshape(-1, logits.shape[-1])
+    logprobs, entropy, lse = R.logits_chunk_forward(rows, targets, temperature, ignore_index, return_entropy)
+    return logprobs, entropy if return_entropy else logprobs.new_empty(0), lse
+
+
+def _logprobs_fwd_cuda(logits, targets, temperature, ignore_index, return_entropy):
+    import torch
+
+    from grpo_kernels.reference import work_dtype
+
+    view, stride_outer, stride_inner, n_inner = _rows_layout(logits)
+    n_rows, n_cols = targets.numel(), logits.shape[-1]
+    out = dict(dtype=work_dtype(logits.dtype), device=logits.device)
+    logprobs, lse = torch.empty(n_rows, **out), torch.empty(n_rows, **out)
+    entropy = torch.empty(n_rows if return_entropy else 0, **out)
+    if n_rows == 0:
+        return logprobs, entropy, lse
+    with torch.cuda.device(logits.device):
+        require_extension().token_logprobs_fwd_cuda(
+            _dtype_name(logits), view.data_ptr(), stride_outer, stride_inner, n_inner,
+            targets.contiguous().data_ptr(), n_rows, n_cols, temperature, ignore_index,
+            logprobs.data_ptr(), entropy.data_ptr() if return_entropy else 0, lse.data_ptr(),
+            _current_stream(logits.device),
+        )
+    return logprobs, entropy, lse
+
+
+def _logprobs_bwd_torch(logits, targets, lse, entropy, grad_logprobs, grad_entropy, temperature, ignore_index):
+    from grpo_kernels import reference as R
+
+    rows = logits.reshape(-1, logits.shape[-1])
+    grad = R.logits_chunk_grad(rows, targets, lse, entropy, grad_logprobs, grad_entropy, temperature, ignore_index)
+    return grad.reshape(logits.shape)
+
+
+def _logprobs_bwd_cuda(logits, targets, lse, entropy, grad_logprobs, grad_entropy, temperature, ignore_index):
+    import torch
+
+    view, stride_outer, stride_inner, n_inner = _rows_layout(logits)
+    n_rows, n_cols = targets.numel(), logits.shape[-1]
+    grad_logits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    if n_rows == 0:
+        return grad_logits
+
+    # Per-row inputs in the accumulation dtype; None -> a null pointer (no such gradient).
+    rows = [None if t is None else t.to(lse.dtype).contiguous() for t in (entropy, grad_logprobs, grad_entropy)]
+    with torch.cuda.device(logits.device):
+        require_extension().token_logprobs_bwd_cuda(
+            _dtype_name(logits), view.data_ptr(), stride_outer, stride_inner, n_inner,
+            targets.contiguous().data_ptr(), lse.contiguous().data_ptr(), *(0 if t is None else t.data_ptr() for t in rows),
+            grad_logits.data_ptr(), n_rows, n_cols, temperature, ignore_index, _current_stream(logits.device),
+        )
+    return grad_logits
+
+
+def register_logprob_ops() -> Any:
+    """Registers `torch.ops.grpo_kernels.token_logprobs` and its backward (idempotent) and
+    returns the forward op: (logits [..., V], targets [T] int64, temperature, ignore_index,
+    return_entropy) -> (logprobs [T], entropy [T] (or [0] when not asked for), lse [T]), all in
+    float32 (float64 for float64 logits). Ignored rows give logprob and entropy 0; their lse is
+    unspecified (the CUDA kernel skips those rows and writes 0). Differentiable in logits."""
+    global _logprob_ops
+    with _register_lock:
+        if _logprob_ops is None:
+            _logprob_ops = _define_logprob_ops()
+        return _logprob_ops
+
+
+def _define_logprob_ops() -> Any:
+    import torch
+
+    @torch.library.custom_op(
+        TOKEN_LOGPROBS_OP, mutates_args=(),
+        schema="(Tensor logits, Tensor targets, float temperature, int ignore_index, bool return_entropy)"
+               " -> (Tensor, Tensor, Tensor)",
+    )
+    def forward_op(logits, targets, temperature, ignore_index, return_entropy):
+        _check_logprob_args(logits, targets)
+        return _logprobs_fwd_torch(logits, targets, temperature, ignore_index, return_entropy)
+
+    @forward_op.register_kernel("cuda")
+    def _forward_cuda(logits, targets, temperature, ignore_index, return_entropy):
+        _check_logprob_args(logits, targets)
+        if not cuda_extension_serves(logits):
+            return _logprobs_fwd_torch(logits, targets, temperature, ignore_index, return_entropy)
+        return _logprobs_fwd_cuda(logits, targets, temperature, ignore_index, return_entropy)
+
+    @forward_op.register_fake
+    def _forward_fake(logits, targets, temperature, ignore_index, return_entropy):
+        _check_logprob_args(logits, targets)
+        from grpo_kernels.reference import work_dtype
+
+        n_rows = targets.shape[0]
+        out = dict(dtype=work_dtype(logits.dtype))
+        return logits.new_empty(n_rows, **out), logits.new_empty(n_rows if return_entropy else 0, **out), \
+            logits.new_empty(n_rows, **out)
+
+    backward_op = _define_logprobs_backward_op()
+
+    def setup_context(ctx, inputs, output):
+        logits, targets, temperature, ignore_index, return_entropy = inputs
+        _, entropy, lse = output
+        ctx.save_for_backward(logits, targets, lse, entropy)
+        ctx.args = (temperature, ignore_index, return_entropy)
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+
+    def backward(ctx, grad_logprobs, grad_entropy, _grad_lse):
+        logits, targets, lse, entropy = ctx.saved_tensors
+        temperature, ignore_index, return_entropy = ctx.args
+        if not return_entropy:
+            entropy = grad_entropy = None
+        grad = backward_op(logits, targets, lse, entropy, grad_logprobs, grad_entropy, temperature, ignore_index)
+        return grad, None, None, None, None
+
+    forward_op.register_autograd(backward, setup_context=setup_context)
+    return forward_op
+
+
+def _define_logprobs_backward_op() -> Any:
+    import torch
+
+    @torch.library.custom_op(
+        TOKEN_LOGPROBS_BACKWARD_OP, mutates_args=(),
+        schema="(Tensor logits, Tensor targets, Tensor lse, Tensor? entropy, Tensor? grad_logprobs,"
+               " Tensor? grad_entropy, float temperature, int ignore_index) -> Tensor",
+    )
+    def backward_op(logits, targets, lse, entropy, grad_logprobs, grad_entropy, temperature, ignore_index):
+        """-> d(loss)/d(logits), contiguous, with the logits' shape and dtype."""
+        _check_logprob_args(logits, targets)
+        if grad_entropy is not None and entropy is None:
+            raise ValueError("entropy: the entropy gradient needs the forward's entropy")
+        return _logprobs_bwd_torch(logits, targets, lse, entropy, grad_logprobs, grad_entropy, temperature, ignore_index)
+
+    @backward_op.register_kernel("cuda")
+    def _backward_cuda(logits, targets, lse, entropy, grad_logprobs, grad_entropy, temperature, ignore_index):
+        _check_logprob_args(logits, targets)
+        args = (logits, targets, lse, entropy, grad_logprobs, grad_entropy, temperature, ignore_index)
+        if grad_entropy is not None and entropy is None:
+            raise ValueError("entropy: the entropy gradient needs the forward's entropy")
+        return _logprobs_bwd_cuda(*args) if cuda_extension_serves(logits) else _logprobs_bwd_torch(*args)
+
+    @backward_op.register_fake
+    def _backward_fake(logits, targets, lse, entropy, grad_logprobs, grad_entropy, temperature, ignore_index):
+        return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+    return backward_op
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    target_ids: torch.Tensor,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+):
+    """`reference.token_logprobs`' contract through the compiled CUDA kernels (the dispatch
+    sends CUDA tensors here when the extension was built with CUDA). chunk_size is accepted and
+    unused: the kernels stream V one row at a time and hold no [rows, V] block."""
+    from grpo_kernels import reference as R
+
+    targets, temperature, _ = R.check_logits_inputs(logits, target_ids, temperature, ignore_index, chunk_size, cu_seqlens)
+    out_shape = targets.shape if cu_seqlens is not None else target_ids.shape
+    op = register_logprob_ops()
+    logprobs, entropy, _ = op(logits, targets.contiguous(), temperature, int(ignore_index), return_entropy)
+    if return_entropy:
+        return logprobs.reshape(out_shape), entropy.reshape(out_shape)
+    return logprobs.reshape(out_shape)

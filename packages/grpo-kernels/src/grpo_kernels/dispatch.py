@@ -1,5 +1,6 @@
-"""The one dispatch point of each op: Triton on CUDA tensors when triton imports, else the
-pure-PyTorch reference (always on CPU tensors). The choice is logged at debug level.
+"""The one dispatch point of each op: the compiled CUDA extension where it has the op (today
+token_logprobs) and was built with CUDA, else Triton on CUDA tensors when triton imports, else
+the pure-PyTorch reference (always on CPU tensors). The choice is logged at debug level.
 
 This module imports neither torch nor triton at import time, so `import grpo_kernels` stays
 cheap; the chosen implementation is imported on first call.
@@ -52,6 +53,28 @@ def _pick(op: str, triton_module: str, tensor, why_not: str | None = None):
     return getattr(importlib.import_module("grpo_kernels.reference"), op)
 
 
+def _pick_with_extension(op: str, triton_module: str, tensor):
+    """-> the compiled extension's `op` when it serves this call, else `_pick`'s choice."""
+    from grpo_kernels import _ext  # cheap: imports neither torch nor the extension's CUDA
+
+    if _ext.cuda_extension_serves(tensor):
+        logger.debug("grpo_kernels.%s -> cuda extension", op)
+        return getattr(_ext, op)
+    if tensor.is_cuda:
+        logger.debug("grpo_kernels.%s: cuda extension not used (%s)", op, _extension_gap(tensor))
+    return _pick(op, triton_module, tensor)
+
+
+def _extension_gap(tensor) -> str:
+    from grpo_kernels import _ext
+
+    if not _ext.has_extension():
+        return "grpo_kernels._C is not built"
+    if not _ext.has_cuda_extension():
+        return "grpo_kernels._C was built without CUDA"
+    return f"dtype {tensor.dtype} is not supported"
+
+
 @lru_cache(maxsize=None)
 def _warn_once(message: str) -> None:
     logger.warning(message)
@@ -68,8 +91,8 @@ def token_logprobs(
 ):
     """log softmax(logits / temperature)[target] (and entropy) per row; see
     `grpo_kernels.reference.token_logprobs` for the contract. chunk_size only bounds the
-    reference path's memory (the Triton kernel never materialises a row block)."""
-    impl = _pick("token_logprobs", "grpo_kernels.ops.logprobs", logits)
+    reference path's memory (the CUDA and Triton kernels never materialise a row block)."""
+    impl = _pick_with_extension("token_logprobs", "grpo_kernels.ops.logprobs", logits)
     return impl(logits, target_ids, temperature, return_entropy, ignore_index, chunk_size, cu_seqlens)
 
 
