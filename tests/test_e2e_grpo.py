@@ -151,13 +151,14 @@ def test_multi_turn_training_run(tmp_path):
 @pytest.mark.parametrize(
     "override, words",
     [
-        ("grpo.async_grpo.enabled=true", "grpo.async_grpo.enabled: async GRPO is not available"),
+        ("grpo.async_grpo.enabled=true", "grpo.async_grpo requires loss_fn.use_importance_sampling_correction: true"),
+        ("grpo.async_grpo.enabled=true policy.generation.backend=hf", "grpo.async_grpo needs policy.generation.backend: vllm"),
         ("policy.num_workers=2", "policy.num_workers: 2 data-parallel workers are not available"),
     ],
 )
 def test_unavailable_features_are_refused_at_startup(tmp_path, override, words):
-    extra = ["loss_fn.use_importance_sampling_correction=true"] if "async" in override else []
-    result = run_grpo("train", override, *extra, cwd=tmp_path, timeout=120)
+    extra = ["loss_fn.use_importance_sampling_correction=true"] if "backend=hf" in override else []
+    result = run_grpo("train", *override.split(), *extra, cwd=tmp_path, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert words in result.stderr
 

@@ -78,7 +78,12 @@ def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None =
             return EXIT_OK
         logger = MetricsLogger(cfg.logger, run_path, run_name, raw, total_steps=last, start_step=state.step)
         try:
-            state = train_sync(cfg, parts, logger, checkpoints, state)
+            if cfg.grpo.async_grpo.enabled:
+                from grpo_train.async_loop import train_async
+
+                state = train_async(cfg, parts, logger, checkpoints, state)
+            else:
+                state = train_sync(cfg, parts, logger, checkpoints, state)
         except (NonFiniteLossError, weight_sync.RefitMismatchError) as exc:
             say(f"run stopped at step {state.step + 1}: {exc}")
             return EXIT_RUN_STOPPED

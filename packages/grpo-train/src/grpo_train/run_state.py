@@ -30,12 +30,16 @@ class TrainerState:
         return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
 
-def save_checkpoint(manager, parts, state: TrainerState, metrics: dict[str, float] | None) -> Path:
+def save_checkpoint(manager, parts, state: TrainerState, metrics: dict[str, float] | None,
+                    extra_files: dict | None = None) -> Path:
+    """`extra_files` (file stem -> object) are saved as `<stem>.pt`; the async loop's replay buffer and collector,
+    whose "dataloader" (the collector's position) replaces the driver's."""
     from grpo_train.checkpoint import atomic_torch_save, save_rng_state
 
     def write(folder: Path) -> None:
         ray.get(parts.policy.save.remote(str(folder / "policy")))
-        atomic_torch_save(parts.train_data.state_dict(), folder / "dataloader.pt")
+        for stem, obj in {"dataloader": parts.train_data.state_dict(), **(extra_files or {})}.items():
+            atomic_torch_save(obj, folder / f"{stem}.pt")
         save_rng_state(folder / "rng.pt")
 
     return manager.save(state.step, write, state.to_json(), metrics)

@@ -54,8 +54,6 @@ def check_supported(cfg: GRPOMasterConfig) -> list[str]:
     Refused: what would change the algorithm or the resources silently. Warned: efficiency-only
     switches whose absence leaves the maths unchanged (same loss, more padding).
     """
-    if cfg.grpo.async_grpo.enabled:
-        raise StartupError("grpo.async_grpo.enabled: async GRPO is not available in this version; set it to false")
     if cfg.policy.num_workers > 1:
         raise StartupError(f"policy.num_workers: {cfg.policy.num_workers} data-parallel workers are not available in this "
                            "version; set it to 1")
@@ -174,11 +172,18 @@ class Components:
             ray.kill(actor)
 
 
+def build_envs(cfg: GRPOMasterConfig) -> dict:
+    """env name -> EnvPool of Ray actors (the async collector builds its own with this too)."""
+    from grpo_envs.pool import EnvPool
+
+    return {name: EnvPool(name, env_cfg.model_dump(exclude={"num_workers"}), num_workers=env_cfg.num_workers)
+            for name, env_cfg in cfg.env.items()}
+
+
 def build_components(cfg: GRPOMasterConfig, model_path: str) -> Components:
     import ray
     from transformers import AutoTokenizer
 
-    from grpo_envs.pool import EnvPool
     from grpo_train.generation import make_generation_actor
     from grpo_train.policy.worker import PolicyWorker
 
@@ -188,8 +193,7 @@ def build_components(cfg: GRPOMasterConfig, model_path: str) -> Components:
     train_data = build_train_iterator(cfg, train_sets)
     val_datums = [val_set[i] for i in range(min(len(val_set), cfg.grpo.max_val_samples))] if val_set is not None else []
 
-    envs = {name: EnvPool(name, env_cfg.model_dump(exclude={"num_workers"}), num_workers=env_cfg.num_workers)
-            for name, env_cfg in cfg.env.items()}
+    envs = build_envs(cfg)
     threads = threads_per_actor()
     policy = ray.remote(num_cpus=1)(PolicyWorker).remote(
         model_path, cfg.policy, cfg.loss_fn, cfg.grpo.seed, num_threads=threads)
@@ -203,6 +207,11 @@ def build_components(cfg: GRPOMasterConfig, model_path: str) -> Components:
     else:
         gen_kwargs = dict(dtype=cfg.policy.precision, max_model_len=cfg.policy.max_total_sequence_length,
                           seed=cfg.grpo.seed, temperature_for_logprobs=gen_cfg.temperature)
-    generator = make_generation_actor(gen_cfg.backend, model_path, num_cpus=1, **gen_kwargs)
+    if cfg.grpo.async_grpo.enabled:  # the async engine (the config allows only vLLM here)
+        from grpo_train.generation.async_vllm import make_async_generation_actor
+
+        generator = make_async_generation_actor(model_path, num_cpus=1, **gen_kwargs)
+    else:
+        generator = make_generation_actor(gen_cfg.backend, model_path, num_cpus=1, **gen_kwargs)
     ray.get(policy.ping.remote())
     return Components(model_path, tokenizer, train_data, val_datums, envs, policy, generator)

@@ -532,6 +532,9 @@ class GRPOMasterConfig(Section):
                 raise ValueError("grpo.async_grpo does not support grpo.use_dynamic_sampling")
             if self.policy.generation.colocated.enabled and self.cluster.gpus_per_node > 0:
                 raise ValueError("grpo.async_grpo needs policy.generation.colocated.enabled: false on GPUs")
+            if self.policy.generation.backend != "vllm":
+                raise ValueError(f"grpo.async_grpo needs policy.generation.backend: vllm (its async engine generates "
+                                 f"ahead of training), got {self.policy.generation.backend!r}")
         return self
 
     def _check_ppo(self) -> None:

@@ -1,0 +1,162 @@
+"""Asynchronous GRPO, top to bottom.
+
+A trajectory collector (`collector.py`) generates prompt groups ahead of training into a replay
+buffer (`replay_buffer.py`); this loop trains on them. One step: take the groups targeted at
+this step (waiting if generation is behind) -> advantages -> prev/ref logprobs -> train -> push
+weights through the collector (+ refit check) -> log -> validate -> checkpoint. Every phase is
+the sync loop's component; what differs is where the groups come from and how old their
+weights are: step s trains at weight version s - 1 on groups generated at versions >= s - 1 -
+max_trajectory_age_steps, and the loss's importance-sampling correction accounts for the gap.
+
+Metrics of the pipeline (`async/`): trajectory age mean/max, buffer size after the take,
+generation idle time, trainer starvation time (waiting for groups) and exposed generation time
+(starvation plus the time a weight push waited for generation to catch up).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import ray
+
+from grpo_train.collector import make_collector_actor
+from grpo_train.config.schema import GRPOMasterConfig
+from grpo_train.replay_buffer import GroupEntry, make_replay_buffer_actor
+from grpo_train.run_state import TrainerState, save_checkpoint
+from grpo_train.sync_loop import run_validation, total_steps
+from grpo_train.train_step import PhaseTimer, add_logprobs, check_refit, prepare_batch
+
+POLL_S = 0.02  # how often the trainer looks into the buffer while it waits for groups
+BUFFER_FILE, COLLECTOR_FILE = "replay_buffer", "collector"  # checkpoint files (.pt), beside dataloader.pt
+
+
+def train_async(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: TrainerState) -> TrainerState:
+    last = total_steps(cfg, parts.train_data)
+    pad_id = parts.tokenizer.pad_token_id if parts.tokenizer.pad_token_id is not None else parts.tokenizer.eos_token_id
+    in_flight = cfg.grpo.async_grpo.in_flight_weight_updates
+    buffer, collector = make_collector(cfg, parts, checkpoints, state, last)  # starts up meanwhile
+    try:
+        if state.step == 0 and cfg.grpo.val_at_start:
+            run_validation(cfg, parts, logger, step=0)
+        ray.get(collector.start.remote())
+        before = ray.get(collector.stats.remote())
+        while state.step < last:
+            step = state.step + 1
+            timer = PhaseTimer()
+
+            with timer("wait_for_groups"):
+                groups = take_groups(cfg, buffer, collector, step, state.weight_version)
+            rollouts = [r for g in groups for r in g.rollouts]
+            state.consumed_prompts += len(groups)
+            batch, metrics = prepare_batch(cfg, rollouts, pad_id)
+            with timer("logprob"):
+                add_logprobs(cfg, parts.policy, batch)
+            with timer("train"):
+                metrics |= ray.get(parts.policy.train.remote(batch))
+            with timer("refit"):
+                state.weight_version += 1
+                held = not in_flight  # the push waits for older batches, then holds the next one
+                push_wait = ray.get(collector.hold.remote(state.weight_version)) if held else 0.0
+                ray.get(collector.push_weights.remote([parts.policy.weights.remote()], state.weight_version))
+            refit = cfg.grpo.refit_check
+            if refit.enabled and state.weight_version % refit.period == 0:
+                with timer("refit_check"):
+                    probe = rollouts[: refit.num_probe_sequences]
+                    metrics["refit/max_abs_logprob_diff"] = check_refit(cfg, parts.policy, parts.generator, probe)
+
+            state.step = step
+            state.epoch = groups[-1].epoch
+            stats = ray.get(collector.stats.remote())
+            metrics |= pipeline_metrics(groups, ray.get(buffer.size.remote()), stats, before, timer, push_wait)
+            before = stats
+            metrics |= timer.metrics()
+            logger.log(metrics, step)
+
+            due_val = (cfg.grpo.val_period and step % cfg.grpo.val_period == 0) or (step == last and cfg.grpo.val_at_end)
+            due_ckpt = checkpoints is not None and (step % cfg.checkpointing.save_period == 0 or step == last)
+            if (due_val or due_ckpt) and not held:
+                ray.get(collector.hold.remote())
+                held = True
+            val_metrics = run_validation(cfg, parts, logger, step) if due_val else {}
+            if due_ckpt:
+                ckpt_metrics = {f"val_{k}": v for k, v in val_metrics.items()} if val_metrics else None
+                save_async_checkpoint(checkpoints, parts, buffer, collector, state, ckpt_metrics)
+            if held:
+                ray.get(collector.release.remote())
+    finally:
+        stop_collector(buffer, collector)
+    return state
+
+
+def make_collector(cfg: GRPOMasterConfig, parts, checkpoints, state: TrainerState, last: int):
+    """The replay buffer and collector actors (not yet generating), restored from the latest
+    checkpoint on resume.
+
+    The collector's dataloader starts at the driver's position (`dataloader.pt` of an async
+    checkpoint holds the collector's); a sync checkpoint has no buffer, so generation restarts
+    at the next step.
+    """
+    import torch
+
+    buffer = make_replay_buffer_actor(cfg.grpo.async_grpo.max_trajectory_age_steps)
+    next_target = state.step + 1
+    folder = checkpoints.latest() if checkpoints is not None and state.step > 0 else None
+    if folder is not None and (Path(folder) / f"{COLLECTOR_FILE}.pt").is_file():
+        ray.get(buffer.load_state_dict.remote(torch.load(Path(folder) / f"{BUFFER_FILE}.pt", weights_only=False)))
+        next_target = torch.load(Path(folder) / f"{COLLECTOR_FILE}.pt", weights_only=False)["next_target"]
+    collector = make_collector_actor(cfg, parts.model_path, parts.generator, buffer, last, next_target,
+                                     state.weight_version, parts.train_data.state_dict())
+    return buffer, collector
+
+
+def take_groups(cfg: GRPOMasterConfig, buffer, collector, step: int, version: int) -> list[GroupEntry]:
+    """The groups targeted at `step`, waiting for them; stale ones (possible only after a resume
+    with a smaller age bound) are dropped and their prompts generated again with the current weights."""
+    count = cfg.grpo.num_prompts_per_step
+    while (taken := ray.get(buffer.take.remote(step, version, count))) is None:
+        if (error := ray.get(collector.error.remote())) is not None:
+            raise RuntimeError(f"the trajectory collector stopped: {error}")
+        time.sleep(POLL_S)
+    if not taken.stale:
+        return taken.fresh
+    ray.get(collector.hold.remote())
+    try:
+        fresh = ray.get(collector.regenerate.remote(taken.stale, version))
+    finally:
+        ray.get(collector.release.remote())
+    ray.get(buffer.record_regenerated.remote(fresh, step, version))
+    return sorted(taken.fresh + fresh, key=lambda g: g.prompt_index)
+
+
+def pipeline_metrics(groups: list[GroupEntry], buffer_size: int, stats: dict, before: dict, timer: PhaseTimer,
+                     push_wait: float) -> dict[str, float]:
+    ages = [(g.target_step - 1) - g.weight_version for g in groups]
+    starvation = timer.seconds.get("wait_for_groups", 0.0)
+    return {
+        "async/trajectory_age_mean": sum(ages) / len(ages),
+        "async/trajectory_age_max": float(max(ages)),
+        "async/buffer_size": float(buffer_size),
+        "async/generation_idle_s": stats["idle_s"] - before["idle_s"],
+        "async/trainer_starvation_s": starvation,
+        "async/exposed_generation_s": starvation + push_wait,
+        "timing/generate_s": stats["generate_s"] - before["generate_s"],
+    }
+
+
+def save_async_checkpoint(checkpoints, parts, buffer, collector, state: TrainerState, metrics) -> Path:
+    """The sync checkpoint plus the buffer and the collector's position (the caller holds the
+    collector, so the three agree: no group is lost or generated twice on resume)."""
+    collector_state = ray.get(collector.state_dict.remote())
+    extra = {"dataloader": collector_state["dataloader"], BUFFER_FILE: ray.get(buffer.state_dict.remote()),
+             COLLECTOR_FILE: {"next_target": collector_state["next_target"]}}
+    return save_checkpoint(checkpoints, parts, state, metrics, extra_files=extra)
+
+
+def stop_collector(buffer, collector) -> None:
+    try:
+        ray.get(collector.shutdown.remote(), timeout=30)
+    except Exception:  # noqa: BLE001 - best effort at exit; the actors are killed either way
+        pass
+    ray.kill(collector)
+    ray.kill(buffer)

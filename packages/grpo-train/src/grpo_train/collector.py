@@ -1,0 +1,177 @@
+"""The trajectory collector of async GRPO: generates prompt groups ahead of training.
+
+Job: draw the next step's prompts from its own dataloader, run the shared rollout
+(`rollout_batch`: generate with the async vLLM engine, score in the environments) and push the
+groups into the replay buffer, tagged with the weight version that generated them and the step
+meant to consume them; stop when it is `max_trajectory_age_steps` ahead of the weights; take
+weight pushes. Boundary: no training, no advantages; runs as an async Ray actor whose
+production loop is a background task, so a weight push or a hold arrives while a batch decodes.
+
+Timing rule. The batch for step t needs weight version >= t - 1 - max_age. Without in-flight
+weight updates a push of version v also waits until the batch for step v + max_age has been
+generated, so the batch for step t is generated with exactly version max(0, t - 1 - max_age):
+the run does not depend on timing and a reseeded engine repeats it bitwise (max_age 0 is the
+sync loop). With in-flight updates a push never waits: requests still decoding finish under the
+new weights, and a batch is tagged with the version its requests were sent under (the oldest
+weights that touched it), so the age bound still holds.
+
+Holds. `hold()` waits for the batch being generated and then keeps the next one from starting
+until `release()`: the loop holds the collector while it validates and saves a checkpoint, so
+that the buffer, the collector's dataloader position and its next step are saved as one
+consistent picture (a batch is drawn, generated and pushed under the same lock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import ray
+
+from grpo_train.replay_buffer import GroupEntry
+
+# Distinct seeds per step: the sync loop's seeds, so max_age 0 samples what the sync loop samples.
+from grpo_train.sync_loop import _STEP_SEED_STRIDE, record_rewards, sampling_spec
+
+
+class TrajectoryCollector:
+    """See the module docstring. `state` is `state_dict()` of a previous collector or None."""
+
+    def __init__(self, cfg, model_path: str, generator, buffer, last_step: int, next_target: int,
+                 version: int, dataloader_state: dict | None) -> None:
+        from transformers import AutoTokenizer
+
+        from grpo_train.setup import build_datasets, build_envs, build_train_iterator, resolve_model_path
+
+        self.cfg = cfg
+        self.async_cfg = cfg.grpo.async_grpo
+        self.max_age = self.async_cfg.max_trajectory_age_steps
+        tokenizer_name = cfg.policy.tokenizer.name
+        tokenizer = AutoTokenizer.from_pretrained(
+            resolve_model_path(tokenizer_name, "policy.tokenizer.name") if tokenizer_name else model_path)
+        train_sets, _ = build_datasets(cfg, tokenizer)
+        self.train_data = build_train_iterator(cfg, train_sets)
+        if dataloader_state is not None:
+            self.train_data.load_state_dict(dataloader_state)
+        self.parts = SimpleNamespace(generator=generator, envs=build_envs(cfg), tokenizer=tokenizer)
+        self.buffer = buffer
+        self.sampling = sampling_spec(cfg)
+        self.last_step = last_step
+        self.next_target = next_target
+        self.version = version
+        self._lock = asyncio.Lock()  # held while a batch is drawn, generated and pushed
+        self._changed = asyncio.Condition()  # version or next_target moved
+        self._task: asyncio.Task | None = None
+        self.idle_s = 0.0  # waiting because it is max_age ahead, or held
+        self.generate_s = 0.0
+        self.batches = 0
+
+    # -- the production loop --------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._produce())
+
+    async def _produce(self) -> None:
+        while self.next_target <= self.last_step:
+            idle = time.perf_counter()
+            await self._wait_for(lambda: self.version >= self.next_target - 1 - self.max_age)
+            async with self._lock:
+                self.idle_s += time.perf_counter() - idle
+                await asyncio.to_thread(self._generate_batch, self.next_target, self.version)
+                self.next_target += 1
+            await self._notify()
+
+    def _generate_batch(self, target: int, version: int) -> None:
+        """Draw the prompts of step `target`, roll them out and push their groups (a thread)."""
+        start = time.perf_counter()
+        datums = next(self.train_data)
+        epoch = getattr(self.train_data, "epoch", 0)
+        entries = self.rollout(datums, target, version, epoch)
+        ray.get(self.buffer.push.remote(entries))
+        self.generate_s += time.perf_counter() - start
+        self.batches += 1
+
+    def rollout(self, datums: list, target: int, version: int, epoch: int = 0) -> list[GroupEntry]:
+        from grpo_train.rollout import rollout_batch
+
+        ray.get(self.parts.generator.reseed.remote(self.cfg.grpo.seed * _STEP_SEED_STRIDE + target))
+        result = rollout_batch(self.cfg, self.parts, datums, self.sampling)
+        record_rewards(self.train_data, result.rollouts)
+        groups: list[list] = [[] for _ in datums]
+        for r in result.rollouts:
+            groups[r.prompt_index].append(r)
+        return [GroupEntry(target, version, i, datum, group, epoch) for i, (datum, group) in enumerate(zip(datums, groups))]
+
+    # -- calls from the training loop -----------------------------------------------------------
+
+    async def push_weights(self, weights_ref: list, version: int) -> float:
+        """Load version `version` (`weights_ref` is [ObjectRef of the HF-named tensors]) into the
+        generator. Without in-flight updates the caller holds the collector (`hold`)."""
+        seconds = await self.parts.generator.update_weights.remote(
+            weights_ref[0], version, self.async_cfg.in_flight_weight_updates,
+            self.async_cfg.recompute_kv_cache_after_weight_updates)
+        self.version = version
+        await self._notify()
+        return seconds
+
+    async def hold(self, until_version: int | None = None) -> float:
+        """Wait until the batches that `until_version`'s push must not overtake are generated
+        (see the module docstring), then keep the next batch from starting; returns seconds waited."""
+        start = time.perf_counter()
+        if until_version is not None:
+            last_old = min(until_version + self.max_age, self.last_step)
+            await self._wait_for(lambda: self.next_target > last_old)
+        await self._lock.acquire()
+        return time.perf_counter() - start
+
+    async def release(self) -> None:
+        self._lock.release()
+
+    async def regenerate(self, entries: list[GroupEntry], version: int) -> list[GroupEntry]:
+        """Generate stale groups' prompts again with the current weights (the caller holds)."""
+        datums = [e.datum for e in entries]
+        fresh = await asyncio.to_thread(self.rollout, datums, entries[0].target_step, version)
+        for entry, new in zip(entries, fresh):
+            new.prompt_index, new.epoch = entry.prompt_index, entry.epoch
+        return fresh
+
+    async def state_dict(self) -> dict:
+        """Next step and dataloader position (call while held: they then match the buffer)."""
+        return {"next_target": self.next_target, "dataloader": self.train_data.state_dict()}
+
+    async def stats(self) -> dict[str, float]:
+        """Cumulative seconds idle and generating, batches generated, the next step to generate."""
+        return {"idle_s": self.idle_s, "generate_s": self.generate_s, "batches": float(self.batches),
+                "next_target": float(self.next_target)}
+
+    async def error(self) -> str | None:
+        """The production loop's exception, if it died (the loop checks while it waits)."""
+        if self._task is not None and self._task.done() and self._task.exception() is not None:
+            exc = self._task.exception()
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    async def shutdown(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for pool in self.parts.envs.values():
+            pool.shutdown()
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    async def _wait_for(self, predicate) -> None:
+        async with self._changed:
+            await self._changed.wait_for(predicate)
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+
+def make_collector_actor(cfg, model_path: str, generator, buffer, last_step: int, next_target: int,
+                         version: int, dataloader_state: dict | None):
+    """Start a `TrajectoryCollector` as an async Ray actor (concurrent calls: push, hold, stats)."""
+    return ray.remote(num_cpus=0, max_concurrency=16)(TrajectoryCollector).remote(
+        cfg, model_path, generator, buffer, last_step, next_target, version, dataloader_state)
