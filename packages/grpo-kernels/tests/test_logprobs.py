@@ -167,6 +167,16 @@ def test_masked_vocabulary_with_minus_inf_logits():
     torch.testing.assert_close(x.grad, y.grad, rtol=0, atol=1e-12)
 
 
+def test_one_launch_each_way(count_launches):
+    launches = count_launches(K)
+    logits, targets = make(9, 37, torch.float32, n_ignored=2)
+    x = logits.clone().requires_grad_()
+    lp, ent = K.token_logprobs(x, targets, 0.9, True, block_v=16)
+    assert launches == {"_token_logprobs_fwd_kernel": 1}
+    (lp.sum() + ent.sum()).backward()
+    assert launches == {"_token_logprobs_fwd_kernel": 1, "_token_logprobs_bwd_kernel": 1}
+
+
 # ---------------------------------------------------------------------------------------------
 # Compiled kernels on a GPU (skipped without CUDA; run with TRITON_INTERPRET=0 to compile)
 # ---------------------------------------------------------------------------------------------

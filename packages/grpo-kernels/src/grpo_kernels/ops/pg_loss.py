@@ -1,10 +1,12 @@
-"""Triton clipped PG loss + KL (shared/GRPO-MATH.md): one elementwise-and-reduce launch
-forward (plus a one-program reduction of the per-block partial sums), one launch backward.
+"""Triton clipped PG loss + KL (shared/GRPO-MATH.md): one launch forward, one launch backward
+on the token-level path.
 
-Forward: each program takes BLOCK tokens and writes 16 partial statistics (loss terms, metric
-sums, ratio extrema); `_pg_loss_reduce_kernel` folds them in a fixed order (deterministic).
-Backward recomputes the per-token terms and writes d loss / d curr. Everything per sequence
-that the token-level kernel cannot see is prepared on the host: the per-sequence weight
+Forward: each program takes BLOCK tokens and writes a row of 16 partial statistics (loss terms,
+metric sums, ratio extrema), then bumps a counter; the program that finishes last folds all
+rows in a fixed order, in the same launch (deterministic: no float atomics, so the sums do not
+depend on which program ran when). Backward recomputes the per-token terms and writes
+d loss / d curr. Everything per sequence that the token-level kernel cannot see is prepared on
+the host (torch ops, the "second pass" of the sequence-level paths): the per-sequence weight
 1 / n_i of the sequence-level loss and the sequence keep-mask of seq-mask-tis. GSPO couples the
 tokens of a sequence in the gradient and stays on the reference (`dispatch` routes it there).
 The reference twin is `grpo_kernels.reference.clipped_pg_loss`.
@@ -163,13 +165,15 @@ def _pg_token_terms(
 @triton.jit
 def _pg_loss_fwd_kernel(
     curr_ptr, prev_ptr, gen_ptr, ref_ptr, adv_ptr, token_mask_ptr, seq_mask_ptr,
-    seq_weight_ptr, seq_keep_ptr, params_ptr, partials_ptr, n_tokens, row_len,
+    seq_weight_ptr, seq_keep_ptr, params_ptr, partials_ptr, counter_ptr, stats_ptr, n_tokens, row_len,
     REINFORCE: tl.constexpr, DUAL_CLIP: tl.constexpr, USE_IS: tl.constexpr,
     TRUNCATION: tl.constexpr, HAS_IS_LO: tl.constexpr, HAS_IS_HI: tl.constexpr,
     HAS_KL: tl.constexpr, KL_TYPE: tl.constexpr, KL_IN_CLAMP: tl.constexpr,
     KL_OUT_CLAMP: tl.constexpr, ON_POLICY_KL: tl.constexpr, SEQ_LEVEL: tl.constexpr,
-    ACC: tl.constexpr, BLOCK: tl.constexpr,
+    N_SUMS: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
+    """Program pid writes partials[pid] (16 statistics of its BLOCK tokens); the last program
+    to finish folds partials [n_programs, 16] into stats [16]."""
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     (valid, c, p, g, ratio, ratio_clamped, loss1, loss2, weight, oob, actor, kl, _, _) = _pg_token_terms(
@@ -200,13 +204,18 @@ def _pg_loss_fwd_kernel(
     tl.store(out + 13, tl.min(tl.where(valid, ratio_clamped, float("inf")), 0))
     tl.store(out + 14, tl.max(tl.where(valid, ratio, -float("inf")), 0))
     tl.store(out + 15, tl.max(tl.where(valid, ratio_clamped, -float("inf")), 0))
+    # Barrier, then an acq_rel gpu-scope atomic: this program's row is visible to whichever
+    # program sees the counter reach n_programs - 1, and that program reads every row.
+    tl.debug_barrier()
+    n_parts = tl.num_programs(0)
+    finished_before = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    if finished_before == n_parts - 1:
+        _fold_partials(partials_ptr, stats_ptr, n_parts, N_SUMS, ACC, BLOCK_P)
 
 
 @triton.jit
-def _pg_loss_reduce_kernel(
-    partials_ptr, stats_ptr, n_parts, N_SUMS: tl.constexpr, ACC: tl.constexpr, BLOCK_P: tl.constexpr,
-):
-    """One program: stats[k] = sum / min / max over the rows of partials [n_parts, 16]."""
+def _fold_partials(partials_ptr, stats_ptr, n_parts, N_SUMS: tl.constexpr, ACC: tl.constexpr, BLOCK_P: tl.constexpr):
+    """stats[k] = sum / min / max over the rows of partials [n_parts, 16], in row order."""
     cols = tl.arange(0, 16)
     rows0 = tl.arange(0, BLOCK_P)
     is_sum = cols < N_SUMS
@@ -217,7 +226,8 @@ def _pg_loss_reduce_kernel(
     for start in range(0, n_parts, BLOCK_P):
         rows = start + rows0
         inside = (rows < n_parts)[:, None]
-        tile = tl.load(partials_ptr + rows[:, None] * 16 + cols[None, :], mask=inside, other=0.0)
+        # .cg: read from L2, where the other programs' rows are (never a stale L1 line).
+        tile = tl.load(partials_ptr + rows[:, None] * 16 + cols[None, :], mask=inside, other=0.0, cache_modifier=".cg")
         acc_sum += tile
         acc_min = tl.minimum(acc_min, tl.where(inside, tile, float("inf")))
         acc_max = tl.maximum(acc_max, tl.where(inside, tile, -float("inf")))
@@ -295,12 +305,14 @@ def pg_loss_fwd(tokens: dict, config: PGLossConfig, block: int = BLOCK) -> torch
     n_blocks = max(1, triton.cdiv(n_tokens, block))
     partials = torch.empty((n_blocks, N_STATS), dtype=acc_dtype, device=curr.device)
     stats = torch.empty(N_STATS, dtype=acc_dtype, device=curr.device)
+    # A fresh counter per call (a 4-byte memset, not a kernel of ours): safe across streams and
+    # CUDA graphs, where a cached self-resetting counter would be shared.
+    counter = torch.zeros(1, dtype=torch.int32, device=curr.device)
     _pg_loss_fwd_kernel[(n_blocks,)](
-        *_pointers(tokens), _params(config, curr.device, acc_dtype), partials, n_tokens,
-        tokens["row_len"], **_flags(config), ACC=_acc(curr.dtype), BLOCK=block,
+        *_pointers(tokens), _params(config, curr.device, acc_dtype), partials, counter, stats, n_tokens,
+        tokens["row_len"], **_flags(config), N_SUMS=N_SUMS, ACC=_acc(curr.dtype), BLOCK=block,
+        BLOCK_P=min(REDUCE_BLOCK, triton.next_power_of_2(n_blocks)),
     )
-    block_p = min(REDUCE_BLOCK, triton.next_power_of_2(n_blocks))
-    _pg_loss_reduce_kernel[(1,)](partials, stats, n_blocks, N_SUMS=N_SUMS, ACC=_acc(curr.dtype), BLOCK_P=block_p)
     return stats
 
 
