@@ -45,28 +45,32 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
-def run_group(model_dir: str, num_workers: int, batch: dict[str, torch.Tensor]):
-    group = PolicyGroup(model_dir, policy_cfg(num_workers), LossConfig(reference_policy_kl_penalty=0.05),
-                        ClusterConfig(), seed=0, num_threads=1)
-    try:
-        batch = dict(batch)
-        batch["prev_logprobs"] = ray.get(group.logprobs.remote(batch))
-        batch["ref_logprobs"] = ray.get(group.logprobs.remote(batch, reference=True))
-        metrics = ray.get(group.train.remote(batch))
-        grads = ray.get(group.gradients.remote())
-        weights = ray.get(group.weights.remote())
-        ranks = ray.get(group.whereabouts.remote())
-        return batch["prev_logprobs"], metrics, grads, weights, ranks
-    finally:
-        group.shutdown()
+def prepare(batch, logprobs):
+    batch = dict(batch)
+    batch["prev_logprobs"] = logprobs(batch)
+    batch["ref_logprobs"] = logprobs(batch, reference=True)
+    return batch
 
 
 def test_two_data_parallel_workers_match_one_worker(ray_session, tiny_qwen2_dir):
-    batch = make_batch()
-    lp1, m1, g1, w1, _ = run_group(tiny_qwen2_dir, 1, batch)
-    lp2, m2, g2, w2, ranks = run_group(tiny_qwen2_dir, 2, batch)
+    """Oracle: one PolicyWorker in this process; subject: two gloo ranks in Ray actors."""
+    from grpo_train.policy.worker import PolicyWorker
+
+    loss = LossConfig(reference_policy_kl_penalty=0.05)
+    group = PolicyGroup(tiny_qwen2_dir, policy_cfg(2), loss, ClusterConfig(), seed=0, num_threads=1)
+    try:
+        single = PolicyWorker(tiny_qwen2_dir, policy_cfg(1), loss, seed=0)
+        one = prepare(make_batch(), single.logprobs)
+        m1 = single.train(one)
+        g1, w1 = single.gradients(), single.weights()
+        two = prepare(make_batch(), lambda b, **kw: ray.get(group.logprobs.remote(b, **kw)))
+        m2 = ray.get(group.train.remote(two))
+        g2, w2 = ray.get(group.gradients.remote()), ray.get(group.weights.remote())
+        ranks = ray.get(group.whereabouts.remote())
+    finally:
+        group.shutdown()
     assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["pid"] != ranks[1]["pid"]
-    torch.testing.assert_close(lp2, lp1, rtol=0, atol=1e-6)
+    torch.testing.assert_close(two["prev_logprobs"], one["prev_logprobs"], rtol=0, atol=1e-6)
     for key in ("loss", "grad_norm", "lr"):
         assert abs(m2[key] - m1[key]) <= RTOL * max(abs(m1[key]), 1e-12), (key, m1[key], m2[key])
     assert m1["grad_norm"] > 0

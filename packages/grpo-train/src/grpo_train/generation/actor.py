@@ -78,6 +78,34 @@ class GenerationActor:
     def num_truncated_prompts(self) -> int:
         return int(getattr(self.generator, "num_truncated_prompts", 0))
 
+    # -- weight transports and colocation (vLLM only; see grpo_train.weight_transport) --------
+    def weight_group_size(self) -> int:
+        return self._backend_method("weight_group_size", "collective")()
+
+    def open_weight_group(self, host, port, rank_offset, world_size, backend, metas, bucket_bytes) -> None:
+        self._backend_method("open_weight_group", "collective")(
+            host, port, rank_offset, world_size, backend, metas, bucket_bytes)
+
+    def receive_weights(self, version: int) -> float:
+        return self._backend_method("receive_weights", "collective")(version)
+
+    def update_weights_ipc(self, handles_by_device, version: int) -> float:
+        return self._backend_method("update_weights_ipc", "ipc")(handles_by_device, version)
+
+    def sleep(self) -> None:
+        self._backend_method("sleep", "colocated sleep")()
+
+    def wake_up(self) -> None:
+        self._backend_method("wake_up", "colocated sleep")()
+
+    def _backend_method(self, name: str, feature: str):
+        method = getattr(self.generator, name, None)
+        if method is None:
+            raise NotImplementedError(
+                f"the {type(self.generator).__name__} generator has no {feature} support; use "
+                "policy.generation.backend=vllm or policy.generation.weight_transport=object_store")
+        return method
+
     def shutdown(self) -> None:
         self.generator.shutdown()
 

@@ -72,6 +72,7 @@ class VllmGenerator:
         enforce_eager: bool = True,
         kv_cache_space_gb: float = 1.0,
         temperature_for_logprobs: float = 1.0,
+        enable_sleep_mode: bool = False,
     ) -> None:
         if temperature_for_logprobs <= 0:
             raise ValueError(f"temperature_for_logprobs must be > 0, got {temperature_for_logprobs}")
@@ -87,6 +88,7 @@ class VllmGenerator:
         self.num_truncated_prompts = 0
         self._version = 0
         self._in_process = tensor_parallel_size == 1
+        self.tensor_parallel_size = tensor_parallel_size
 
         engine_kwargs = dict(
             model=model_path,
@@ -99,6 +101,8 @@ class VllmGenerator:
             generation_config="vllm",  # no sampling defaults from the model's generation_config
             worker_extension_cls=WORKER_EXTENSION,
         )
+        if enable_sleep_mode:  # colocated on GPUs: free the weights and KV cache while training
+            engine_kwargs["enable_sleep_mode"] = True
         saved_env = None
         if current_platform.is_cpu():
             # Without an explicit size vLLM's CPU backend reserves most of the RAM. The
@@ -166,6 +170,44 @@ class VllmGenerator:
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
         self._version = int(version)
         return time.perf_counter() - start
+
+    # -- weight transports (grpo_train.weight_transport) and colocation ---------------------
+
+    def weight_group_size(self) -> int:
+        """Ranks this engine adds to a collective weight group: one per vLLM worker."""
+        return self.tensor_parallel_size
+
+    def open_weight_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
+                          metas: list, bucket_bytes: int) -> None:
+        check_weight_names([m.name for m in metas], self._weight_names)
+        self.llm.collective_rpc("grpo_open_weight_group",
+                                args=(host, port, rank_offset, world_size, backend, metas, bucket_bytes))
+
+    def receive_weights(self, version: int) -> float:
+        """The receiving half of a `collective` push (the trainer broadcasts at the same time)."""
+        start = time.perf_counter()
+        self.llm.collective_rpc("grpo_receive_weights")
+        self._after_refit(version)
+        return time.perf_counter() - start
+
+    def update_weights_ipc(self, handles_by_device: dict, version: int) -> float:
+        """`ipc` (GPU-only): load from the trainer's tensors on the same GPUs."""
+        start = time.perf_counter()
+        self.llm.collective_rpc("grpo_load_ipc_weights", args=(handles_by_device,))
+        self._after_refit(version)
+        return time.perf_counter() - start
+
+    def sleep(self) -> None:
+        """Free weights and KV cache for the colocated trainer (GPU-only: vLLM's sleep mode)."""
+        self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        self.llm.wake_up()
+
+    def _after_refit(self, version: int) -> None:
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
+        self._version = int(version)
 
     def score(self, sequences: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
         from vllm import SamplingParams

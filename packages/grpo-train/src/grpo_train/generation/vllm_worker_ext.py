@@ -6,7 +6,10 @@ dotted path, so it must stay importable without side effects) and called with
   - `grpo_load_weights`: reload new checkpoint-format weights (HF names) in place;
   - `grpo_set_logprob_temperature`: make the engine's logits, and so its logprobs, be
     `logits / T`;
-  - `grpo_reseed`: restart the sampler's random streams (per-step seeding for exact resume).
+  - `grpo_reseed`: restart the sampler's random streams (per-step seeding for exact resume);
+  - the receivers of the weight transports, named after them (`grpo_train.weight_transport`):
+    `grpo_load_weights` (object_store), `grpo_open_weight_group` + `grpo_receive_weights`
+    (collective: streamed buckets from trainer rank 0), `grpo_load_ipc_weights` (ipc, GPU-only).
 Boundary: knows vLLM internals of one version (0.32) and nothing about training; the trainer
 side (`VllmGenerator.update_weights`, `grpo_train.weight_sync`) decides what to send and when.
 
@@ -85,6 +88,53 @@ class GrpoWorkerExtension:
 
     def grpo_logit_scale(self) -> float:
         return float(self.model_runner.get_model().logits_processor.scale)
+
+    # -- transports (grpo_train.weight_transport): each receiver is named after its transport --
+
+    def grpo_open_weight_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
+                               metas: list, bucket_bytes: int) -> int:
+        """`collective`: join the trainer's weight group as rank `rank_offset` + this worker's rank
+        and remember what every push carries. Returns this worker's rank in the group."""
+        from grpo_train.weight_transport import open_group
+
+        rank = rank_offset + int(getattr(self, "rank", 0))
+        self._grpo_group = open_group(host, port, rank, world_size, backend)
+        self._grpo_metas, self._grpo_bucket_bytes, self._grpo_backend = list(metas), int(bucket_bytes), backend
+        return rank
+
+    def grpo_receive_weights(self) -> int:
+        """`collective`: load a push as it streams in, one bucket at a time. Returns the number of
+        tensors loaded."""
+        import torch
+
+        from grpo_train.weight_transport import receive_buckets
+
+        if getattr(self, "_grpo_group", None) is None:
+            raise RuntimeError("grpo_receive_weights before grpo_open_weight_group")
+        device = self.device if self._grpo_backend == "nccl" else torch.device("cpu")
+        stream = receive_buckets(self._grpo_group, self._grpo_metas, self._grpo_bucket_bytes, device)
+        self.model_runner.reload_weights(weights_iterator=stream, is_checkpoint_format=True)
+        for _ in stream:  # a model that skips tensors must still drain the broadcasts
+            pass
+        self._grpo_reprocess_tied_lm_head()
+        return len(self._grpo_metas)
+
+    def grpo_load_ipc_weights(self, handles_by_device: dict[str, list]) -> int:
+        """`ipc` (GPU-only): map the trainer's tensors on this worker's GPU through CUDA IPC
+        handles (keyed by device UUID) and reload from them, no copy in flight."""
+        import torch
+
+        uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+        if uuid not in handles_by_device:
+            raise RuntimeError(f"no trainer weights on this GPU ({uuid}); ipc needs colocated placement")
+        items = []
+        for name, (rebuild, args) in handles_by_device[uuid]:
+            args = list(args)
+            args[6] = self.device.index  # the handle names the sender's device ordinal
+            items.append((name, rebuild(*args)))
+        self.model_runner.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
+        self._grpo_reprocess_tied_lm_head()
+        return len(items)
 
 
 def serialize_weights(named_tensors: dict[str, torch.Tensor]) -> bytes:
