@@ -1,5 +1,6 @@
 """Token logprobs (+ entropy) from logits, and the fused lm_head logprobs: torch eager,
-torch.compile, the chunked reference, Liger (when installed) and grpo_kernels, in one process.
+torch.compile, the chunked reference, Liger (when installed) and grpo_kernels (its CUDA extension and
+its Triton kernels), in one process.
 
     uv run --no-sync python benchmarks/kernels/bench_logprobs.py [--device auto|cpu|cuda] [--quick]
 
@@ -22,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 
 import grpo_kernels  # noqa: E402
-from grpo_kernels import reference  # noqa: E402
+from grpo_kernels import _ext, reference  # noqa: E402
 
 TEMPERATURE = 0.7
 GPU_SHAPES = dict(T=(4096, 16384, 32768), V=(32000, 128256, 151936), H=(2048, 4096), dtype=torch.bfloat16)
@@ -39,6 +40,14 @@ def eager(logits, targets, temperature, entropy):
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     lp = logp.gather(-1, targets[:, None]).squeeze(-1)
     return (lp, -(logp.exp() * logp).sum(-1)) if entropy else lp
+
+
+def triton_logits_impl():
+    try:
+        from grpo_kernels.ops.logprobs import token_logprobs
+    except ImportError as err:
+        return f"triton unavailable: {err}"
+    return token_logprobs
 
 
 def liger_logits_impl():
@@ -77,7 +86,10 @@ def logits_impls(device):
     compiled, why = harness.compile_or_none(eager, dynamic=False)
     impls["torch.compile"] = compiled or why
     if device.type == "cuda":
-        impls["grpo_kernels"] = grpo_kernels.token_logprobs
+        # Both fast paths, named: the dispatch (grpo_kernels.token_logprobs) takes the first.
+        impls["grpo_kernels cuda ext"] = (_ext.token_logprobs if _ext.has_cuda_extension()
+                                          else "grpo_kernels._C was built without CUDA")
+        impls["grpo_kernels triton"] = triton_logits_impl()
         impls["liger"] = liger_logits_impl() or "not installed"
     return impls
 
@@ -215,7 +227,9 @@ def main(argv: list[str] | None = None) -> None:
         notes += [
             "",
             "**GPU figures: pending.** No GPU was available to this task; on CPU `grpo_kernels` "
-            "dispatches to the reference, so only eager, torch.compile and the reference are timed. "
+            "dispatches to the reference, so only eager, torch.compile and the reference are timed "
+            "(on a GPU the logits op adds `grpo_kernels cuda ext`, the compiled kernels of "
+            "csrc/cuda/token_logprobs.cu, and `grpo_kernels triton`). "
             "Run this script on a CUDA machine to write kernels_logprobs_gpu.md. The machine is "
             "shared (see the load average): CPU medians are noisy.",
         ]

@@ -175,7 +175,7 @@ __global__ void token_logprobs_bwd_kernel(const In* __restrict__ logits, RowLayo
       auto* out_packs = reinterpret_cast<Pack<In>*>(out);
       const int64_t n_packs = n_cols / Pack<In>::kN;
       for (int64_t i = threadIdx.x; i < n_packs; i += blockDim.x) {
-        Pack<In> pack;
+        Pack<In> pack{};  // zero rows never read it
         if (!zero) pack = in_packs[i];
 #pragma unroll
         for (int k = 0; k < Pack<In>::kN; ++k) pack.v[k] = grad_at(i * Pack<In>::kN + k, pack.v[k]);
