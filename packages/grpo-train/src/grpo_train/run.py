@@ -41,6 +41,9 @@ def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None =
     from grpo_train.setup import actor_env_vars, build_components, check_supported, init_ray, resolve_model_path
     from grpo_train.sync_loop import total_steps, train_sync
 
+    if cfg.algorithm == "ppo":  # the config's `ppo:` section picks PPO: same parts plus a value worker
+        from grpo_train.ppo.ppo_loop import train_ppo as train_sync
+        from grpo_train.ppo.ppo_step import build_ppo_components as build_components
     started = time.perf_counter()
     run_path = Path(run_dir or Path(cfg.logger.log_dir) / run_name).resolve()
     try:
@@ -67,7 +70,7 @@ def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None =
         state = TrainerState()
         latest = checkpoints.latest() if checkpoints else None
         if latest is not None:
-            state = restore_checkpoint(latest, parts)
+            state = restore_checkpoint(latest, parts, getattr(parts, "extra_workers", None))
             from grpo_train.train_step import push_weights
 
             push_weights(parts.policy, parts.generator, state.weight_version)

@@ -1,8 +1,9 @@
 """What a run must save to resume exactly, and how it is saved and restored.
 
-A checkpoint folder holds the policy (weights, optimizer, scheduler, its torch RNG), the
-dataloader position, the driver's RNG states and `trainer_state.json`. The generator's
-weights are not saved: they are the policy's, pushed again on resume.
+A checkpoint folder holds the policy (weights, optimizer, scheduler, its torch RNG), PPO's
+value model likewise (`value/`, via `extra_workers`), the dataloader position, the driver's
+RNG states and `trainer_state.json`. The generator's weights are not saved: they are the
+policy's, pushed again on resume.
 """
 
 from __future__ import annotations
@@ -31,13 +32,15 @@ class TrainerState:
 
 
 def save_checkpoint(manager, parts, state: TrainerState, metrics: dict[str, float] | None,
-                    extra_files: dict | None = None) -> Path:
-    """`extra_files` (file stem -> object) are saved as `<stem>.pt`; the async loop's replay buffer and collector,
+                    extra_workers: dict | None = None, extra_files: dict | None = None) -> Path:
+    """`extra_workers` (folder name -> actor with save/load, e.g. PPO's {"value": ...}) are saved beside the policy.
+    `extra_files` (file stem -> object) are saved as `<stem>.pt`; the async loop's replay buffer and collector,
     whose "dataloader" (the collector's position) replaces the driver's."""
     from grpo_train.checkpoint import atomic_torch_save, save_rng_state
 
     def write(folder: Path) -> None:
         ray.get(parts.policy.save.remote(str(folder / "policy")))
+        ray.get([actor.save.remote(str(folder / name)) for name, actor in (extra_workers or {}).items()])
         for stem, obj in {"dataloader": parts.train_data.state_dict(), **(extra_files or {})}.items():
             atomic_torch_save(obj, folder / f"{stem}.pt")
         save_rng_state(folder / "rng.pt")
@@ -45,10 +48,11 @@ def save_checkpoint(manager, parts, state: TrainerState, metrics: dict[str, floa
     return manager.save(state.step, write, state.to_json(), metrics)
 
 
-def restore_checkpoint(folder: Path, parts) -> TrainerState:
+def restore_checkpoint(folder: Path, parts, extra_workers: dict | None = None) -> TrainerState:
     from grpo_train.checkpoint import CheckpointManager, load_rng_state
 
     ray.get(parts.policy.load.remote(str(folder / "policy")))
+    ray.get([actor.load.remote(str(folder / name)) for name, actor in (extra_workers or {}).items()])
     parts.train_data.load_state_dict(torch.load(folder / "dataloader.pt", weights_only=False))
     load_rng_state(folder / "rng.pt")
     return TrainerState.from_json(CheckpointManager.load_trainer_state(folder))

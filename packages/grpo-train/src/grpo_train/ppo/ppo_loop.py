@@ -1,0 +1,79 @@
+"""Synchronous PPO with a value model, top to bottom.
+
+One step: draw prompts -> rollout (generate, score) -> batch (reward scaling/shaping,
+overlong filtering) -> prev/ref logprobs -> values -> GAE advantages and returns -> ppo_epochs
+passes of value training and (from `ppo.policy_training_start_step`) policy training -> push
+weights into the generator (+ refit check) -> log -> validate -> checkpoint (policy, value
+model, dataloader, RNG). Rollout, logprobs, weight push, validation and checkpoints are the
+GRPO loop's own components; steps before the policy starts training push no weights.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from grpo_train.config.schema import GRPOMasterConfig
+from grpo_train.ppo.ppo_step import PPOComponents, add_values_and_advantages, mean_over_epochs, prepare_ppo_batch
+from grpo_train.run_state import TrainerState, save_checkpoint
+from grpo_train.sync_loop import _STEP_SEED_STRIDE, collect_rollouts, record_rewards, run_validation, sampling_spec, total_steps
+from grpo_train.train_step import PhaseTimer, add_logprobs, check_refit, push_weights
+
+
+def train_epochs(cfg: GRPOMasterConfig, parts: PPOComponents, batch, train_policy: bool) -> dict[str, float]:
+    """ppo_epochs passes over the batch: the value model always, the policy when asked."""
+    value_metrics, policy_metrics = [], []
+    for _ in range(cfg.ppo.ppo_epochs):
+        value_metrics.append(ray.get(parts.value.train.remote(batch)))
+        if train_policy:
+            policy_metrics.append(ray.get(parts.policy.train.remote(batch)))
+    return mean_over_epochs(value_metrics) | mean_over_epochs(policy_metrics)
+
+
+def train_ppo(cfg: GRPOMasterConfig, parts: PPOComponents, logger, checkpoints, state: TrainerState) -> TrainerState:
+    sampling = sampling_spec(cfg)
+    last = total_steps(cfg, parts.train_data)
+    pad_id = parts.tokenizer.pad_token_id if parts.tokenizer.pad_token_id is not None else parts.tokenizer.eos_token_id
+    if state.step == 0 and cfg.grpo.val_at_start:
+        run_validation(cfg, parts, logger, step=0)
+    while state.step < last:
+        step = state.step + 1
+        timer = PhaseTimer()
+        ray.get(parts.generator.reseed.remote(cfg.grpo.seed * _STEP_SEED_STRIDE + step))
+
+        result, sampling_metrics = collect_rollouts(cfg, parts, sampling, state)
+        timer.add("generate", result.generate_s)
+        timer.add("reward", result.reward_s)
+        record_rewards(parts.train_data, result.rollouts)
+        batch, metrics = prepare_ppo_batch(cfg, result.rollouts, pad_id)
+        with timer("logprob"):
+            add_logprobs(cfg, parts.policy, batch)
+        with timer("values"):
+            metrics |= add_values_and_advantages(cfg, parts.value, batch)
+        train_policy = step >= cfg.ppo.policy_training_start_step
+        with timer("train"):
+            metrics |= train_epochs(cfg, parts, batch, train_policy)
+        if train_policy:
+            with timer("refit"):
+                state.weight_version += 1
+                push_weights(parts.policy, parts.generator, state.weight_version)
+            refit = cfg.grpo.refit_check
+            if refit.enabled and state.weight_version % refit.period == 0:
+                with timer("refit_check"):
+                    probe = result.rollouts[: refit.num_probe_sequences]
+                    metrics["refit/max_abs_logprob_diff"] = check_refit(cfg, parts.policy, parts.generator, probe)
+
+        state.step = step
+        state.epoch = getattr(parts.train_data, "epoch", 0)
+        generated_tokens = sum(len(r.response_ids) for r in result.rollouts)
+        metrics |= result.env_metrics | sampling_metrics | timer.metrics()
+        metrics["tokens_per_s"] = generated_tokens / max(result.generate_s, 1e-9)
+        metrics["policy_trained"] = float(train_policy)
+        logger.log(metrics, step)
+
+        val_metrics = {}
+        if (cfg.grpo.val_period and step % cfg.grpo.val_period == 0) or (step == last and cfg.grpo.val_at_end):
+            val_metrics = run_validation(cfg, parts, logger, step)
+        if checkpoints is not None and (step % cfg.checkpointing.save_period == 0 or step == last):
+            ckpt_metrics = {f"val_{k}": v for k, v in val_metrics.items()} if val_metrics else None
+            save_checkpoint(checkpoints, parts, state, ckpt_metrics, parts.extra_workers)
+    return state

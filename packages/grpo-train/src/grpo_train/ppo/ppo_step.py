@@ -1,0 +1,124 @@
+"""PPO's step components between rollout and optimizer: the batch, values, token-level advantages.
+
+The sibling of `grpo_train.train_step.prepare_batch`: reward scaling, shaping and overlong
+filtering are GRPO's own functions; only the advantages differ (token-level, from the value
+model, instead of group-relative per sample). Also the value worker's actor and the run's
+components with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+
+from grpo_train.advantages import groups_with_signal, scale_rewards, shape_rewards
+from grpo_train.batch import Rollout, build_train_batch
+from grpo_train.config.schema import GRPOMasterConfig
+from grpo_train.ppo.estimators import EstimatorInput, compute_ppo_advantages
+from grpo_train.ppo.gae import last_token_rewards
+from grpo_train.setup import Components
+
+EXPLAINED_VARIANCE_EPS = 1e-8
+
+
+@dataclass
+class PPOComponents(Components):
+    value: Any = None  # Ray actor handle of ValueWorker
+
+    @property
+    def extra_workers(self) -> dict[str, Any]:
+        """Workers checkpointed beside the policy (folder name -> actor)."""
+        return {"value": self.value}
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self.value is not None:
+            ray.kill(self.value)
+
+
+def build_ppo_components(cfg: GRPOMasterConfig, model_path: str) -> PPOComponents:
+    """GRPO's components plus the value worker (backbone: value.model_name, else the policy's)."""
+    from dataclasses import fields
+
+    from grpo_train.ppo.value_worker import ValueWorker
+    from grpo_train.setup import build_components, resolve_model_path, threads_per_actor
+
+    value_path = resolve_model_path(cfg.value.model_name, "value.model_name") if cfg.value.model_name else model_path
+    parts = build_components(cfg, model_path)
+    global_batch = cfg.value.train_global_batch_size or cfg.policy.train_global_batch_size
+    try:
+        value = ray.remote(num_cpus=1)(ValueWorker).remote(
+            value_path, cfg.value, cfg.value_loss_fn, global_batch, cfg.grpo.seed, num_threads=threads_per_actor())
+        ray.get(value.ping.remote())
+    except BaseException:
+        parts.shutdown()
+        raise
+    return PPOComponents(**{f.name: getattr(parts, f.name) for f in fields(Components)}, value=value)
+
+
+def prepare_ppo_batch(cfg: GRPOMasterConfig, rollouts: list[Rollout], pad_id: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """Rewards -> (scaled, shaped) -> [B, S] tensors with `scores` [B]; advantages come later (they need values)."""
+    rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
+    lengths = torch.tensor([len(r.response_ids) for r in rollouts])
+    truncated = torch.tensor([r.truncated for r in rollouts])
+    shaped = shape_rewards(scale_rewards(rewards, cfg.grpo.reward_scaling), lengths, truncated, cfg.grpo.reward_shaping)
+    sample_mask = torch.tensor([r.loss_multiplier for r in rollouts], dtype=torch.float32)
+    if cfg.grpo.overlong_filtering:
+        sample_mask = sample_mask * (~truncated).float()
+    batch = build_train_batch(rollouts, torch.zeros(len(rollouts)), sample_mask, pad_id,
+                              cfg.policy.make_sequence_length_divisible_by)
+    batch["scores"] = shaped  # [B] sequence reward after scaling and shaping
+    signal = groups_with_signal(shaped, cfg.grpo.num_generations_per_prompt)
+    metrics = {
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()) if len(rollouts) > 1 else 0.0,
+        "accuracy": float((rewards > 0).float().mean()),
+        "shaped_reward_mean": float(shaped.mean()),
+        "response_length": float(lengths.float().mean()),
+        "truncated_fraction": float(truncated.float().mean()),
+        "groups_with_signal": signal.num_kept / max(signal.keep.numel(), 1),
+        "num_samples": float(len(rollouts)),
+        "masked_samples": float((sample_mask == 0).sum()),
+    }
+    return batch, metrics
+
+
+def token_rewards(cfg: GRPOMasterConfig, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[B, S]: the sequence reward on the last response token, minus the optional per-token KL penalty.
+
+    The KL estimate is k1 = prev - ref (the rollout policy against the reference), as in verl's
+    `use_kl_in_reward`; it is a reward term, so no gradient flows through it.
+    """
+    rewards = last_token_rewards(batch["scores"], batch["token_mask"])
+    if cfg.ppo.use_kl_in_reward:
+        kl = (batch["prev_logprobs"] - batch["ref_logprobs"]) * batch["token_mask"]
+        rewards = rewards - cfg.ppo.kl_in_reward_coef * kl
+    return rewards
+
+
+def add_values_and_advantages(cfg: GRPOMasterConfig, value, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Rollout-time values, token-level advantages and value targets into `batch`; returns their metrics."""
+    batch["values"] = ray.get(value.values.remote(batch))  # [B, S] old values, fixed for the ppo_epochs
+    mask = batch["token_mask"]
+    x = EstimatorInput(rewards=token_rewards(cfg, batch), values=batch["values"], token_mask=mask,
+                       sample_mask=batch["sample_mask"], response_lengths=mask.sum(dim=1))
+    batch["advantages"], batch["returns"] = compute_ppo_advantages(cfg.ppo.adv_estimator, x)
+    n = mask.sum().clamp(min=1)
+    residual = (batch["returns"] - batch["values"]) * mask
+    returns_var = ((batch["returns"] - (batch["returns"] * mask).sum() / n) * mask).pow(2).sum() / n
+    return {
+        "advantage_abs_mean": float((batch["advantages"].abs() * mask).sum() / n),
+        "returns_mean": float((batch["returns"] * mask).sum() / n),
+        "values_mean": float((batch["values"] * mask).sum() / n),
+        "value_explained_variance": float(1 - residual.pow(2).sum() / n / (returns_var + EXPLAINED_VARIANCE_EPS)),
+        "reward_kl": float(((batch["prev_logprobs"] - batch["ref_logprobs"]) * mask).sum() / n)
+        if "ref_logprobs" in batch else 0.0,
+    }
+
+
+def mean_over_epochs(per_epoch: list[dict[str, float]]) -> dict[str, float]:
+    keys = per_epoch[0].keys() if per_epoch else ()
+    return {k: sum(m[k] for m in per_epoch) / len(per_epoch) for k in keys}
