@@ -68,6 +68,7 @@ def train_async(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Traine
             state.step = step
             state.epoch = groups[-1].epoch
             stats = ray.get(collector.stats.remote())
+            metrics |= groups[0].env_metrics
             metrics |= pipeline_metrics(groups, ray.get(buffer.size.remote()), stats, before, timer, push_wait)
             before = stats
             metrics |= timer.metrics()

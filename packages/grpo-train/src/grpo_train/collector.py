@@ -102,7 +102,8 @@ class TrajectoryCollector:
         groups: list[list] = [[] for _ in datums]
         for r in result.rollouts:
             groups[r.prompt_index].append(r)
-        return [GroupEntry(target, version, i, datum, group, epoch) for i, (datum, group) in enumerate(zip(datums, groups))]
+        return [GroupEntry(target, version, i, datum, group, epoch, result.env_metrics)
+                for i, (datum, group) in enumerate(zip(datums, groups))]
 
     # -- calls from the training loop -----------------------------------------------------------
 

@@ -27,6 +27,7 @@ class GroupEntry:
     datum: Any  # the prompt's DatumSpec (kept so a dropped group's prompt can be generated again)
     rollouts: list = field(default_factory=list)  # [N] Rollout, in sample order
     epoch: int = 0  # the dataloader's epoch after the prompt was drawn
+    env_metrics: dict = field(default_factory=dict)  # the environments' metrics of the rollout it came from
 
 
 @dataclass
