@@ -153,7 +153,8 @@ def test_multi_turn_training_run(tmp_path):
     [
         ("grpo.async_grpo.enabled=true", "grpo.async_grpo requires loss_fn.use_importance_sampling_correction: true"),
         ("grpo.async_grpo.enabled=true policy.generation.backend=hf", "grpo.async_grpo needs policy.generation.backend: vllm"),
-        ("policy.num_workers=2", "policy.num_workers: 2 data-parallel workers are not available"),
+        ("policy.generation.weight_transport=ipc", "policy.generation.weight_transport: 'ipc' needs GPUs"),
+        ("policy.num_workers=3", "must be a multiple of policy.num_workers (3)"),
     ],
 )
 def test_unavailable_features_are_refused_at_startup(tmp_path, override, words):

@@ -275,6 +275,17 @@ def test_cuda_logprob_kernels_on_strided_views_many_rows_and_masked_vocabulary()
 
 @pytest.mark.gpu
 @cuda
+def test_cuda_logprob_kernels_pass_opcheck_and_gradcheck_fp64():
+    assert _ext.has_cuda_extension()
+    logits, targets = logits_and_targets(4, 11, device="cuda", scale=1.0)
+    result = torch.library.opcheck(LOGPROBS, (logits.clone().requires_grad_(), targets, 0.9, IGNORE, True))
+    assert set(result.values()) == {"SUCCESS"}, result
+    x = logits.clone().requires_grad_()
+    assert torch.autograd.gradcheck(lambda z: _ext.token_logprobs(z, targets, 1.3, True), (x,))
+
+
+@pytest.mark.gpu
+@cuda
 def test_dispatch_picks_the_cuda_extension_and_says_so(caplog):
     import logging
 

@@ -1,6 +1,7 @@
 """csrc/cuda/online_lse.h, the softmax math of the CUDA token_logprobs kernels, compiled for the
 host with the system C++ compiler (no GPU, no nvcc) and replayed in the kernels' order: each
-thread pushes a strided slice of the row, then warp butterflies merge the states. Checked
+thread pushes its 16-byte packs and tail columns of the row, then warp butterflies merge the
+states (see online_lse_harness.cpp). Checked
 against the fp64 reference for logsumexp, entropy and d logits."""
 
 from __future__ import annotations
@@ -34,11 +35,11 @@ def harness(tmp_path_factory) -> Path:
     return exe
 
 
-def run_harness(exe, acc, threads, temperature, logits, targets, g_lp, g_ent):
+def run_harness(exe, acc, threads, vec, temperature, logits, targets, g_lp, g_ent):
     lines = [str(len(logits))]
     for row, t, a, b in zip(logits.tolist(), targets.tolist(), g_lp.tolist(), g_ent.tolist()):
         lines.append(f"{len(row)} {t} {a!r} {b!r} " + " ".join(repr(v) for v in row))
-    out = subprocess.run([str(exe), acc, str(threads), repr(temperature)], input="\n".join(lines),
+    out = subprocess.run([str(exe), acc, str(threads), str(vec), repr(temperature)], input="\n".join(lines),
                          capture_output=True, text=True, check=True, timeout=60).stdout
     values = torch.tensor([[float(v) for v in line.split()] for line in out.splitlines()], dtype=torch.float64)
     return values[:, 0], values[:, 1], values[:, 2:]
@@ -63,13 +64,18 @@ def exact(logits, targets, temperature, g_lp, g_ent):
     return torch.logsumexp(logits / temperature, -1), ent.detach(), x.grad
 
 
-@pytest.mark.parametrize("acc, tol", [("double", 1e-12), ("float", 2e-5)])
+# (accumulator, values per 16-byte pack as read by the kernel, tolerance): fp64 logits, fp32 logits,
+# bf16/fp16 logits (float accumulation, 8 per pack), and an unaligned row (no packs).
+ACCS = [("double", 2, 1e-12), ("float", 4, 2e-5), ("float", 8, 2e-5), ("float", 0, 2e-5)]
+
+
+@pytest.mark.parametrize("acc, vec, tol", ACCS)
 @pytest.mark.parametrize("V, threads, scale", [(37, 128, 3.0), (1000, 256, 30.0), (70, 32, 1.0)])
-def test_kernel_order_matches_the_fp64_reference(harness, acc, tol, V, threads, scale):
+def test_kernel_order_matches_the_fp64_reference(harness, acc, vec, tol, V, threads, scale):
     logits, targets, g_lp, g_ent = rows(V, 6, seed=V, scale=scale)
     if acc == "float":  # the kernel reads float32 logits: compare on the same inputs
         logits = logits.float().double()
-    lse, ent, grad = run_harness(harness, acc, threads, 0.7, logits, targets, g_lp, g_ent)
+    lse, ent, grad = run_harness(harness, acc, threads, vec, 0.7, logits, targets, g_lp, g_ent)
     ref_lse, ref_ent, ref_grad = exact(logits, targets, 0.7, g_lp, g_ent)
     torch.testing.assert_close(lse, ref_lse, rtol=tol, atol=tol)
     torch.testing.assert_close(ent, ref_ent, rtol=tol, atol=tol * max(1.0, scale))
@@ -79,5 +85,5 @@ def test_kernel_order_matches_the_fp64_reference(harness, acc, tol, V, threads, 
 
 def test_row_of_only_masked_logits_gives_minus_inf_lse(harness):
     logits = torch.full((1, 40), -float("inf"), dtype=torch.float64)
-    lse, _, _ = run_harness(harness, "double", 64, 1.0, logits, torch.tensor([3]), torch.zeros(1), torch.zeros(1))
+    lse, _, _ = run_harness(harness, "double", 64, 2, 1.0, logits, torch.tensor([3]), torch.zeros(1), torch.zeros(1))
     assert lse.item() == -float("inf")

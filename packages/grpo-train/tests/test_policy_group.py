@@ -11,7 +11,8 @@ import ray
 import torch
 
 from grpo_train.config.schema import ClusterConfig, LossConfig, PolicyConfig
-from grpo_train.policy.group import PolicyGroup, combine_metrics, split_rows, worker_bundles
+from grpo_train.actor_group import split_rows
+from grpo_train.policy.group import PolicyGroup, combine_metrics, worker_bundles
 
 VOCAB = 64
 RTOL = 1e-6
@@ -68,7 +69,7 @@ def test_two_data_parallel_workers_match_one_worker(ray_session, tiny_qwen2_dir)
         g2, w2 = ray.get(group.gradients.remote()), ray.get(group.weights.remote())
         ranks = ray.get(group.whereabouts.remote())
     finally:
-        group.shutdown()
+        group.close()
     assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["pid"] != ranks[1]["pid"]
     torch.testing.assert_close(two["prev_logprobs"], one["prev_logprobs"], rtol=0, atol=1e-6)
     for key in ("loss", "grad_norm", "lr"):
@@ -114,7 +115,7 @@ def test_fsdp2_workers_match_one_gpu_worker(tiny_qwen2_dir):
         b["prev_logprobs"] = ray.get(group.logprobs.remote(b))
         b["ref_logprobs"] = ray.get(group.logprobs.remote(b, reference=True))
         out.append((ray.get(group.train.remote(b)), ray.get(group.weights.remote())))
-        group.shutdown()
+        group.close()
     (m1, w1), (m2, w2) = out
     assert abs(m1["loss"] - m2["loss"]) <= 1e-5 * abs(m1["loss"])
     for name in w1:

@@ -119,7 +119,7 @@ def test_separate_engine_is_refit_over_the_collective_transport(ray_session, tin
     finally:
         ray.get(engine.shutdown.remote())
         ray.kill(engine)
-        policy.shutdown()
+        policy.close()
 
 
 @pytest.mark.gpu
@@ -138,11 +138,12 @@ def test_colocated_engine_sleeps_and_is_refit_over_ipc(tiny_qwen2_dir):
                                    enable_sleep_mode=True)
     ray.get(engine.ready.remote())
     policy = PolicyGroup(tiny_qwen2_dir, cfg, LossConfig(), ClusterConfig(gpus_per_node=1), seed=0,
-                         colocated_generators=[engine])
+                         colocated_generation=True)
+    policy.attach(make_transport("ipc", 1.0), [engine])
     batch = train_batch()
     batch["prev_logprobs"] = ray.get(policy.logprobs.remote(batch))  # puts the engine to sleep
     ray.get(policy.train.remote(batch))
-    make_transport("ipc", 1.0).push(policy, [engine], version=1)  # wakes it
+    policy.push_weights(version=1)  # wakes it
     probe = [list(range(3, 27))]
     trainer = ray.get(policy.score.remote(probe, [6]))
     assert check_refit(trainer, ray.get(engine.score.remote(probe, [6])), float("inf")) <= 1e-3

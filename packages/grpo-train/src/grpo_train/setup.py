@@ -54,9 +54,10 @@ def check_supported(cfg: GRPOMasterConfig) -> list[str]:
     Refused: what would change the algorithm or the resources silently. Warned: efficiency-only
     switches whose absence leaves the maths unchanged (same loss, more padding).
     """
-    if cfg.policy.num_workers > 1:
-        raise StartupError(f"policy.num_workers: {cfg.policy.num_workers} data-parallel workers are not available in this "
-                           "version; set it to 1")
+    gen = cfg.policy.generation
+    if gen.weight_transport == "ipc" and (cfg.cluster.gpus_per_node == 0 or not gen.colocated.enabled):
+        raise StartupError("policy.generation.weight_transport: 'ipc' needs GPUs shared with the trainer "
+                           "(colocated on GPUs); use 'collective' or 'object_store'")
     warnings = []
     for key, section in (("policy.sequence_packing", cfg.policy.sequence_packing), ("policy.dynamic_batching", cfg.policy.dynamic_batching)):
         if section.enabled:
@@ -156,8 +157,8 @@ class Components:
     train_data: Any  # endless iterator of DatumSpec batches (InfiniteDataLoader or MultiDataLoader)
     val_datums: list  # DatumSpecs of the validation set (at most grpo.max_val_samples)
     envs: dict  # env name -> EnvPool
-    policy: Any  # Ray actor handle of PolicyWorker
-    generator: Any  # Ray actor handle of a Generator
+    policy: Any  # PolicyGroup: data-parallel PolicyWorkers, called like one actor
+    generator: Any  # Ray actor handle of a Generator, or a GeneratorGroup of several engines
 
     def shutdown(self) -> None:
         import ray
@@ -165,6 +166,9 @@ class Components:
         for pool in self.envs.values():
             pool.shutdown()
         for actor in (self.generator, self.policy):
+            if hasattr(actor, "close"):  # a group of actors (policy.group, generation.group)
+                actor.close()
+                continue
             try:
                 ray.get(actor.shutdown.remote()) if hasattr(actor, "shutdown") else None
             except Exception:  # noqa: BLE001 - best effort at exit
@@ -180,12 +184,29 @@ def build_envs(cfg: GRPOMasterConfig) -> dict:
             for name, env_cfg in cfg.env.items()}
 
 
+def attach_generators(cfg: GRPOMasterConfig, policy, generator) -> None:
+    """Wait for the policy ranks and connect the weight transport to the engines (the async
+    loop pushes through its collector, over the object store)."""
+    from grpo_train.generation.group import engines_of
+    from grpo_train.weight_transport import choose_transport, make_transport
+
+    gen_cfg = cfg.policy.generation
+    name = choose_transport(gen_cfg.weight_transport, gen_cfg.colocated.enabled, cfg.cluster.gpus_per_node > 0)
+    if cfg.grpo.async_grpo.enabled:
+        name = "object_store"
+    try:
+        policy.attach(make_transport(name, gen_cfg.refit_buffer_size_gb), engines_of(generator))
+    except (ValueError, NotImplementedError) as exc:
+        raise StartupError(str(exc)) from None
+
+
 def build_components(cfg: GRPOMasterConfig, model_path: str) -> Components:
     import ray
     from transformers import AutoTokenizer
 
-    from grpo_train.generation import make_generation_actor
-    from grpo_train.policy.worker import PolicyWorker
+    from grpo_train.generation.actor import place_generators
+    from grpo_train.generation.group import GeneratorGroup
+    from grpo_train.policy.group import PolicyGroup
 
     tokenizer_path = resolve_model_path(cfg.policy.tokenizer.name, "policy.tokenizer.name") if cfg.policy.tokenizer.name else model_path
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
@@ -195,8 +216,8 @@ def build_components(cfg: GRPOMasterConfig, model_path: str) -> Components:
 
     envs = build_envs(cfg)
     threads = threads_per_actor()
-    policy = ray.remote(num_cpus=1)(PolicyWorker).remote(
-        model_path, cfg.policy, cfg.loss_fn, cfg.grpo.seed, num_threads=threads)
+    policy = PolicyGroup(model_path, cfg.policy, cfg.loss_fn, cfg.cluster, cfg.grpo.seed, num_threads=threads,
+                         colocated_generation=cfg.policy.generation.colocated.enabled, start=False)
     gen_cfg = cfg.policy.generation
     if gen_cfg.backend == "vllm":
         vllm = gen_cfg.vllm_cfg
@@ -212,6 +233,10 @@ def build_components(cfg: GRPOMasterConfig, model_path: str) -> Components:
 
         generator = make_async_generation_actor(model_path, num_cpus=1, **gen_kwargs)
     else:
-        generator = make_generation_actor(gen_cfg.backend, model_path, num_cpus=1, **gen_kwargs)
-    ray.get(policy.ping.remote())
+        resources = gen_cfg.colocated.resources
+        engines = place_generators(gen_cfg.backend, model_path, gpus_per_node=cfg.cluster.gpus_per_node,
+                                   colocated=gen_cfg.colocated.enabled, policy_placement_group=policy.placement_group,
+                                   separate_gpus=(resources.gpus_per_node or 0) * (resources.num_nodes or 1), **gen_kwargs)
+        generator = engines[0] if len(engines) == 1 else GeneratorGroup(engines)
+    attach_generators(cfg, policy, generator)
     return Components(model_path, tokenizer, train_data, val_datums, envs, policy, generator)

@@ -53,8 +53,14 @@ def add_logprobs(cfg: GRPOMasterConfig, policy, batch: dict[str, torch.Tensor]) 
 
 
 def push_weights(policy, generator, version: int) -> float:
-    """Send the policy's weights to the generator (the ObjectRef travels, not a driver copy)."""
-    return ray.get(generator.update_weights.remote(policy.weights.remote(), version))
+    """Send the policy's weights to the generator over the run's weight transport
+    (`grpo_train.weight_transport`, attached in setup); seconds taken. A bare actor pair
+    (tests) goes through the object store (the ObjectRef travels, not a driver copy)."""
+    if not hasattr(policy, "push_weights"):
+        return ray.get(generator.update_weights.remote(policy.weights.remote(), version))
+    start = time.perf_counter()
+    policy.push_weights(version)
+    return time.perf_counter() - start
 
 
 def check_refit(cfg: GRPOMasterConfig, policy, generator, probe: list[Rollout]) -> float:

@@ -212,11 +212,21 @@ class IpcTransport:
 TRANSPORTS: dict[str, type] = {cls.name: cls for cls in (ObjectStoreTransport, CollectiveTransport, IpcTransport)}
 
 
+def choose_transport(name: str, colocated: bool, on_gpus: bool) -> str:
+    """`auto` resolved by placement: ipc when colocated on GPUs, object_store when colocated on
+    CPU (one machine's memory either way), collective when generation has its own resources."""
+    if name != "auto":
+        return name
+    if colocated:
+        return "ipc" if on_gpus else "object_store"
+    return "collective"
+
+
 def make_transport(name: str, refit_buffer_size_gb: float) -> Any:
     if name not in TRANSPORTS:
         raise ValueError(f"policy.generation.weight_transport: unknown transport {name!r}; expected one of {sorted(TRANSPORTS)}")
     return TRANSPORTS[name](max(1, int(refit_buffer_size_gb * GIB)))
 
 
-__all__ = ["TRANSPORTS", "TensorMeta", "free_address", "make_transport", "open_group", "plan_buckets",
+__all__ = ["TRANSPORTS", "TensorMeta", "choose_transport", "free_address", "make_transport", "open_group", "plan_buckets",
            "receive_buckets", "send_buckets", "tensor_metadata"]

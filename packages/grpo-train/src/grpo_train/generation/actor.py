@@ -132,3 +132,39 @@ def make_generation_actor(
     return remote_cls.options(
         num_cpus=num_cpus, num_gpus=num_gpus, runtime_env=runtime_env, **options
     ).remote(backend, model_path, **kwargs)
+
+
+def place_generators(backend: str, model_path: str, *, gpus_per_node: int, colocated: bool,
+                     separate_gpus: int = 0, policy_placement_group=None, **kwargs: Any) -> list:
+    """Start the generation engines and return their handles (call `ready` to wait):
+
+      - CPU machines: one engine of one CPU, wherever Ray puts it;
+      - GPUs, colocated: one engine per rank bundle of the policy's placement group, sharing its
+        GPU (half each; the engine sleeps while the trainer runs), tensor parallel size 1;
+      - GPUs, separate: `separate_gpus // tensor_parallel_size` engines of `tensor_parallel_size`
+        GPUs each, on a placement group of their own.
+    """
+    if gpus_per_node == 0:
+        return [make_generation_actor(backend, model_path, num_cpus=1, **kwargs)]
+    tensor_parallel_size = kwargs.get("tensor_parallel_size", 1)
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    if colocated:
+        if tensor_parallel_size != 1:
+            raise ValueError("policy.generation.vllm_cfg.tensor_parallel_size: colocated engines on GPUs use 1 GPU each "
+                             "in this version; set policy.generation.colocated.enabled=false for tensor parallelism")
+        bundles = range(policy_placement_group.bundle_count)
+        group = policy_placement_group
+        num_gpus, kwargs = 0.5, {**kwargs, "enable_sleep_mode": True}
+    else:
+        engines = separate_gpus // tensor_parallel_size
+        if engines < 1:
+            raise ValueError(f"policy.generation.colocated.resources: {separate_gpus} GPUs cannot hold an engine of "
+                             f"tensor_parallel_size={tensor_parallel_size}")
+        group = placement_group([{"GPU": tensor_parallel_size, "CPU": 1}] * engines, strategy="PACK")
+        bundles, num_gpus = range(engines), tensor_parallel_size
+    return [make_generation_actor(backend, model_path, num_cpus=0 if colocated else 1, num_gpus=num_gpus,
+                                  actor_options={"scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)},
+                                  **kwargs)
+            for i in bundles]

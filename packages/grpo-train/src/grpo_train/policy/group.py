@@ -11,7 +11,7 @@ concatenated, metrics reduced as the loss defines them); weights come from rank 
 Training splits each optimizer step's rows across ranks and passes every rank the step's
 global valid token and sequence counts, so the summed gradient is the single-worker gradient.
 
-Colocated generation on GPUs (`colocated_generators`): the engines sleep before the trainer
+Colocated generation on GPUs (`colocated_generation`): the attached engines sleep before the trainer
 runs and wake for the weight push; vLLM's sleep mode exists only on GPUs.
 Boundary: no knowledge of rollouts or of the loop; weight pushes go through a transport
 (`grpo_train.weight_transport`).
@@ -25,6 +25,7 @@ from typing import Any
 import ray
 import torch
 
+from grpo_train.actor_group import remote_method, split_rows
 from grpo_train.batch import batch_size
 from grpo_train.config.schema import ClusterConfig, LossConfig, PolicyConfig
 
@@ -33,24 +34,6 @@ _MIN_METRICS = ("ratio_min", "clipped_ratio_min")
 _MAX_METRICS = ("ratio_max", "clipped_ratio_max")
 _SHARED_METRICS = ("grad_norm", "lr")
 PLACEMENT_TIMEOUT_S = 120
-
-
-class _RemoteCall:
-    """`group.method.remote(*args)`: the actor-handle calling convention for a group method."""
-
-    def __init__(self, group: PolicyGroup, fn) -> None:
-        self._group, self._fn = group, fn
-
-    def remote(self, *args, **kwargs):
-        return self._fn(self._group, *args, **kwargs)
-
-
-class remote_method:  # noqa: N801 - used as a decorator, named like one
-    def __init__(self, fn) -> None:
-        self._fn = fn
-
-    def __get__(self, group, owner=None):
-        return self if group is None else _RemoteCall(group, self._fn)
 
 
 def worker_bundles(cluster: ClusterConfig, num_workers: int) -> tuple[list[dict[str, float]], str]:
@@ -70,18 +53,14 @@ def place_bundles(bundles: list[dict[str, float]], strategy: str):
     pg = placement_group(bundles, strategy=strategy)
     ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
     if not ready:
+        from grpo_train.setup import StartupError
+
         ray.util.remove_placement_group(pg)
-        raise RuntimeError(
+        raise StartupError(
             f"policy.num_workers / cluster: {len(bundles)} bundles of {bundles[0]} ({strategy}) do not fit the Ray "
             f"cluster within {PLACEMENT_TIMEOUT_S} s; it has {ray.cluster_resources()}"
         )
     return pg
-
-
-def split_rows(n: int, world_size: int) -> list[slice]:
-    """Contiguous, near-equal row ranges, one per rank (empty ranges when n < world_size)."""
-    bounds = [n * r // world_size for r in range(world_size + 1)]
-    return [slice(bounds[r], bounds[r + 1]) for r in range(world_size)]
 
 
 def take_rows(batch: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tensor]:
@@ -110,7 +89,7 @@ class PolicyGroup:
     """N data-parallel `PolicyWorker` actors behind the worker's method names."""
 
     def __init__(self, model_path: str, policy_cfg: PolicyConfig, loss_cfg: LossConfig, cluster: ClusterConfig,
-                 seed: int, num_threads: int = 1, colocated_generators: list | None = None) -> None:
+                 seed: int, num_threads: int = 1, colocated_generation: bool = False, start: bool = True) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from grpo_train.policy.worker import PolicyWorker
@@ -120,7 +99,9 @@ class PolicyGroup:
         bundles, strategy = worker_bundles(cluster, self.world_size)
         self.placement_group = place_bundles(bundles, strategy)
         # Colocated engines share the rank's GPU, so the worker takes half of it.
-        gpus = (0.5 if colocated_generators is not None else 1.0) if cluster.gpus_per_node > 0 else 0
+        self.on_gpus = cluster.gpus_per_node > 0
+        self.colocated_generation = colocated_generation and self.on_gpus
+        gpus = (0.5 if self.colocated_generation else 1.0) if self.on_gpus else 0
         actor = ray.remote(PolicyWorker)
         self.workers = [
             actor.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -128,11 +109,34 @@ class PolicyGroup:
                 model_path, policy_cfg, loss_cfg, seed, rank=rank, world_size=self.world_size, num_threads=num_threads)
             for rank in range(self.world_size)
         ]
-        host, port = ray.get(self.workers[0].free_address.remote())
-        ray.get([w.init_distributed.remote(host, port) for w in self.workers])
         self._sharded = torch_gpu_sharding(cluster, policy_cfg)
-        self.colocated_generators = colocated_generators or []
+        self.colocated_generators: list = []
         self._generators_awake = True
+        self.transport, self.generators = None, []
+        self._started = False
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Wait for the ranks to load and join their process group (construction returns while
+        they load, so a generator can start meanwhile)."""
+        if not self._started:
+            host, port = ray.get(self.workers[0].free_address.remote())
+            ray.get([w.init_distributed.remote(host, port) for w in self.workers])
+            self._started = True
+
+    def attach(self, transport, generators: list) -> None:
+        """Connect the weight transport to the generation engines (`push_weights` uses it);
+        engines colocated on GPUs also sleep while this group computes."""
+        self.start()
+        self.transport, self.generators = transport, list(generators)
+        if self.colocated_generation:
+            self.colocated_generators = list(generators)
+        transport.connect(self, self.generators)
+
+    def push_weights(self, version: int) -> None:
+        """The trained weights into every attached engine, over the attached transport."""
+        self.transport.push(self, self.generators, version)
 
     @property
     def rank0(self):
@@ -244,7 +248,7 @@ class PolicyGroup:
             ray.get([g.wake_up.remote() for g in self.colocated_generators])
             self._generators_awake = True
 
-    def shutdown(self) -> None:
+    def close(self) -> None:
         for worker in self.workers:
             ray.kill(worker)
         ray.util.remove_placement_group(self.placement_group)
@@ -253,10 +257,3 @@ class PolicyGroup:
 def torch_gpu_sharding(cluster: ClusterConfig, policy_cfg: PolicyConfig) -> bool:
     """Whether the workers shard with FSDP2 (GPUs and dtensor_cfg.enabled)."""
     return cluster.gpus_per_node > 0 and policy_cfg.dtensor_cfg.enabled
-
-
-def make_policy(model_path: str, policy_cfg: PolicyConfig, loss_cfg: LossConfig, cluster: ClusterConfig,
-                seed: int, **kwargs: Any) -> PolicyGroup:
-    group = PolicyGroup(model_path, policy_cfg, loss_cfg, cluster, seed, **kwargs)
-    ray.get(group.ping.remote())
-    return group
