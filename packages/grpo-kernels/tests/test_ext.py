@@ -211,6 +211,21 @@ def test_logprob_op_fake_shapes_and_compile():
     torch.testing.assert_close(x.grad, grad, rtol=0, atol=1e-12)
 
 
+def test_rows_layout_addresses_every_row_as_the_kernels_do():
+    """The CUDA kernels find row r at (r // inner) * outer_stride + (r % inner) * inner_stride."""
+    full = torch.arange(3 * 5 * 7, dtype=torch.float32).view(3, 5, 7)
+    cases = {"sliced": full[:, :-1], "strided rows": full.view(15, 7)[::2], "transposed": full.transpose(0, 1),
+             "flat": full.view(15, 7)}
+    for name, logits in cases.items():
+        view, outer, inner_stride, inner = _ext._rows_layout(logits)
+        rows = logits.reshape(-1, 7)
+        for r in range(rows.shape[0]):
+            at = view.storage_offset() + (r // inner) * outer + (r % inner) * inner_stride
+            assert torch.equal(torch.as_strided(view, (7,), (1,), at), rows[r]), (name, r)
+        if name != "transposed":  # mergeable layouts are walked in place
+            assert view.data_ptr() == logits.data_ptr(), name
+
+
 @pytest.mark.parametrize(
     ("logits", "targets", "message"),
     [

@@ -278,13 +278,13 @@ def _logprobs_fwd_cuda(logits, targets, temperature, ignore_index, return_entrop
 
     from grpo_kernels.reference import work_dtype
 
-    view, stride_outer, stride_inner, n_inner = _rows_layout(logits)
     n_rows, n_cols = targets.numel(), logits.shape[-1]
     out = dict(dtype=work_dtype(logits.dtype), device=logits.device)
     logprobs, lse = torch.empty(n_rows, **out), torch.empty(n_rows, **out)
     entropy = torch.empty(n_rows if return_entropy else 0, **out)
     if n_rows == 0:
         return logprobs, entropy, lse
+    view, stride_outer, stride_inner, n_inner = _rows_layout(logits)
     with torch.cuda.device(logits.device):
         require_extension().token_logprobs_fwd_cuda(
             _dtype_name(logits), view.data_ptr(), stride_outer, stride_inner, n_inner,
@@ -306,12 +306,11 @@ def _logprobs_bwd_torch(logits, targets, lse, entropy, grad_logprobs, grad_entro
 def _logprobs_bwd_cuda(logits, targets, lse, entropy, grad_logprobs, grad_entropy, temperature, ignore_index):
     import torch
 
-    view, stride_outer, stride_inner, n_inner = _rows_layout(logits)
     n_rows, n_cols = targets.numel(), logits.shape[-1]
     grad_logits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     if n_rows == 0:
         return grad_logits
-
+    view, stride_outer, stride_inner, n_inner = _rows_layout(logits)
     # Per-row inputs in the accumulation dtype; None -> a null pointer (no such gradient).
     rows = [None if t is None else t.to(lse.dtype).contiguous() for t in (entropy, grad_logprobs, grad_entropy)]
     with torch.cuda.device(logits.device):
