@@ -207,7 +207,9 @@ Launch launch_shape(int64_t n_rows, int64_t n_cols, uintptr_t stream) {
 
 void check_launch(const char* what) {
   const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) throw std::runtime_error(std::string(what) + " kernel launch failed: " + cudaGetErrorString(err));
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string(what) + " kernel launch failed: " + cudaGetErrorString(err));
+  }
 }
 
 void check_shape(int64_t n_rows, int64_t n_cols, int64_t n_inner, double temperature) {
@@ -249,9 +251,26 @@ void launch_bwd(uintptr_t logits, RowLayout layout, uintptr_t targets, uintptr_t
   check_launch("token_logprobs backward");
 }
 
-[[noreturn]] void unsupported(const std::string& dtype) {
-  throw std::invalid_argument("token_logprobs: logits dtype " + dtype +
-                              " is not supported (float32, float16, bfloat16, float64)");
+template <typename T>
+struct Type {
+  using type = T;
+};
+
+// Calls f(Type<logits type>, Type<accumulation type>) for a dtype name.
+template <typename F>
+void with_logits_type(const std::string& dtype, F&& f) {
+  if (dtype == "float32") {
+    f(Type<float>{}, Type<float>{});
+  } else if (dtype == "bfloat16") {
+    f(Type<__nv_bfloat16>{}, Type<float>{});
+  } else if (dtype == "float16") {
+    f(Type<__half>{}, Type<float>{});
+  } else if (dtype == "float64") {
+    f(Type<double>{}, Type<double>{});
+  } else {
+    throw std::invalid_argument("token_logprobs: logits dtype " + dtype +
+                                " is not supported (float32, float16, bfloat16, float64)");
+  }
 }
 }  // namespace
 
@@ -265,17 +284,12 @@ void token_logprobs_fwd(const std::string& dtype, uintptr_t logits, int64_t stri
   check_shape(n_rows, n_cols, n_inner, temperature);
   if (n_rows == 0) return;
   const RowLayout layout{stride_outer, stride_inner, n_inner};
-  if (dtype == "float32") {
-    launch_fwd<float, float>(logits, layout, targets, n_rows, n_cols, temperature, ignore_index, logprobs, entropy, lse, stream);
-  } else if (dtype == "bfloat16") {
-    launch_fwd<__nv_bfloat16, float>(logits, layout, targets, n_rows, n_cols, temperature, ignore_index, logprobs, entropy, lse, stream);
-  } else if (dtype == "float16") {
-    launch_fwd<__half, float>(logits, layout, targets, n_rows, n_cols, temperature, ignore_index, logprobs, entropy, lse, stream);
-  } else if (dtype == "float64") {
-    launch_fwd<double, double>(logits, layout, targets, n_rows, n_cols, temperature, ignore_index, logprobs, entropy, lse, stream);
-  } else {
-    unsupported(dtype);
-  }
+  with_logits_type(dtype, [&](auto in, auto acc) {
+    using In = typename decltype(in)::type;
+    using Acc = typename decltype(acc)::type;
+    launch_fwd<In, Acc>(logits, layout, targets, n_rows, n_cols, temperature, ignore_index, logprobs, entropy, lse,
+                        stream);
+  });
 }
 
 // grad_logits: contiguous [n_rows, n_cols] of `dtype`. grad_logprobs / grad_entropy may be 0
@@ -285,19 +299,16 @@ void token_logprobs_bwd(const std::string& dtype, uintptr_t logits, int64_t stri
                         uintptr_t grad_entropy, uintptr_t grad_logits, int64_t n_rows, int64_t n_cols,
                         double temperature, int64_t ignore_index, uintptr_t stream) {
   check_shape(n_rows, n_cols, n_inner, temperature);
-  if (grad_entropy != 0 && entropy == 0) throw std::invalid_argument("token_logprobs: the entropy gradient needs entropy");
+  if (grad_entropy != 0 && entropy == 0) {
+    throw std::invalid_argument("token_logprobs: the entropy gradient needs entropy");
+  }
   if (n_rows == 0) return;
   const RowLayout layout{stride_outer, stride_inner, n_inner};
-  if (dtype == "float32") {
-    launch_bwd<float, float>(logits, layout, targets, lse, entropy, grad_logprobs, grad_entropy, grad_logits, n_rows, n_cols, temperature, ignore_index, stream);
-  } else if (dtype == "bfloat16") {
-    launch_bwd<__nv_bfloat16, float>(logits, layout, targets, lse, entropy, grad_logprobs, grad_entropy, grad_logits, n_rows, n_cols, temperature, ignore_index, stream);
-  } else if (dtype == "float16") {
-    launch_bwd<__half, float>(logits, layout, targets, lse, entropy, grad_logprobs, grad_entropy, grad_logits, n_rows, n_cols, temperature, ignore_index, stream);
-  } else if (dtype == "float64") {
-    launch_bwd<double, double>(logits, layout, targets, lse, entropy, grad_logprobs, grad_entropy, grad_logits, n_rows, n_cols, temperature, ignore_index, stream);
-  } else {
-    unsupported(dtype);
-  }
+  with_logits_type(dtype, [&](auto in, auto acc) {
+    using In = typename decltype(in)::type;
+    using Acc = typename decltype(acc)::type;
+    launch_bwd<In, Acc>(logits, layout, targets, lse, entropy, grad_logprobs, grad_entropy, grad_logits, n_rows,
+                        n_cols, temperature, ignore_index, stream);
+  });
 }
 }  // namespace grpo::cuda
