@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -186,16 +186,24 @@ class DTensorConfig(Section):
 
 
 class MicroBatchingConfig(Section):
+    """Dynamic batching: rows sorted by length, grouped while rows x padded width <= the budget
+    (grpo_train.policy.microbatch). Same loss and gradients as fixed-size micro-batches."""
+
     enabled: bool = False
+    """Micro-batches by token budget instead of train_micro_batch_size / logprob_batch_size rows."""
     train_mb_tokens: int = Field(2048, ge=1)
-    """Token budget of a training micro-batch."""
+    """Token budget of a training micro-batch, padding included; a longer sequence is an error."""
     logprob_mb_tokens: int = Field(2048, ge=1)
-    """Token budget of a logprob micro-batch."""
+    """Token budget of a logprob micro-batch, padding included; a longer sequence is an error."""
     sequence_length_round: int = Field(64, ge=1)
-    """Pad micro-batch lengths to a multiple of this."""
+    """Round micro-batch lengths up to a multiple of this (the padded width; with packing, the
+    packed stream), never past the budget."""
 
 
 class SequencePackingConfig(MicroBatchingConfig):
+    """Sequence packing: rows bin-packed into streams of at most the budget, attention kept
+    within each sequence (grpo_train.policy.microbatch and policy.logprobs)."""
+
     algorithm: Literal["modified_first_fit_decreasing", "first_fit_decreasing", "best_fit_decreasing"] = "modified_first_fit_decreasing"
     """Bin-packing algorithm (grpo_kernels.packing)."""
 
@@ -506,14 +514,16 @@ class GRPOMasterConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _ppo_sections(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        if data.get("ppo") is None:
-            for key in ("value", "value_loss_fn"):
-                if data.get(key) is not None:
-                    raise ValueError(f"{key}: only PPO has a value model; add a `ppo:` section or remove `{key}`")
+        if not isinstance(data, dict) or data.get("ppo") is None:
             return data
         return {**data, "value": data.get("value") or {}, "value_loss_fn": data.get("value_loss_fn") or {}}
+
+    @field_validator("value", "value_loss_fn")
+    @classmethod
+    def _only_with_ppo(cls, section: Any, info: ValidationInfo) -> Any:
+        if section is not None and "ppo" in info.data and info.data["ppo"] is None:  # absent: ppo itself failed
+            raise ValueError("only PPO has a value model; add a `ppo:` section or remove this one")
+        return section
 
     @model_validator(mode="after")
     def _cross_section(self) -> GRPOMasterConfig:

@@ -47,14 +47,20 @@ def build_ppo_components(cfg: GRPOMasterConfig, model_path: str) -> PPOComponent
     from grpo_train.setup import build_components, resolve_model_path, threads_per_actor
 
     value_path = resolve_model_path(cfg.value.model_name, "value.model_name") if cfg.value.model_name else model_path
-    parts = build_components(cfg, model_path)
     global_batch = cfg.value.train_global_batch_size or cfg.policy.train_global_batch_size
+    # Started first so that its start-up overlaps the policy's and the generator's.
+    value = ray.remote(num_cpus=1)(ValueWorker).remote(
+        value_path, cfg.value, cfg.value_loss_fn, global_batch, cfg.grpo.seed, num_threads=threads_per_actor())
     try:
-        value = ray.remote(num_cpus=1)(ValueWorker).remote(
-            value_path, cfg.value, cfg.value_loss_fn, global_batch, cfg.grpo.seed, num_threads=threads_per_actor())
+        parts = build_components(cfg, model_path)
+    except BaseException:
+        ray.kill(value)
+        raise
+    try:
         ray.get(value.ping.remote())
     except BaseException:
         parts.shutdown()
+        ray.kill(value)
         raise
     return PPOComponents(**{f.name: getattr(parts, f.name) for f in fields(Components)}, value=value)
 
