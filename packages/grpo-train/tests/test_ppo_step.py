@@ -1,0 +1,46 @@
+"""PPO's batch preparation: GRPO's reward scaling, shaping and overlong filtering; token rewards with KL."""
+
+from __future__ import annotations
+
+import torch
+
+from grpo_train.batch import Rollout
+from grpo_train.config import validate_config_dict
+from grpo_train.ppo.ppo_step import prepare_ppo_batch, token_rewards
+
+torch.set_num_threads(1)
+
+
+def rollouts() -> list[Rollout]:
+    def one(i, reward, n, truncated):
+        return Rollout(prompt_index=i // 2, prompt_ids=[5, 6], response_ids=list(range(7, 7 + n)), gen_logprobs=[-0.5] * n,
+                       text="", truncated=truncated, reward=reward)
+
+    return [one(0, 1.0, 2, False), one(1, 0.0, 4, True), one(2, 1.0, 3, False), one(3, 1.0, 4, True)]
+
+
+def cfg(**ppo_and_more):
+    base = {"grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 2, "overlong_filtering": True,
+                     "reward_scaling": {"enabled": True, "source_min": 0, "source_max": 1, "target_min": -1, "target_max": 1}},
+            "policy": {"train_global_batch_size": 4, "train_micro_batch_size": 4}, "ppo": {}}
+    return validate_config_dict(base | ppo_and_more)
+
+
+def test_batch_has_scaled_scores_and_filters_truncated_samples():
+    batch, metrics = prepare_ppo_batch(cfg(), rollouts(), pad_id=0)
+    assert batch["scores"].tolist() == [1.0, -1.0, 1.0, 1.0]  # [0, 1] scaled onto [-1, 1]
+    assert batch["sample_mask"].tolist() == [1.0, 0.0, 1.0, 0.0]  # truncated: no gradient
+    assert batch["token_mask"].sum(dim=1).tolist() == [2.0, 4.0, 3.0, 4.0]
+    assert metrics["accuracy"] == 0.75 and metrics["masked_samples"] == 2.0 and metrics["truncated_fraction"] == 0.5
+
+
+def test_token_rewards_put_the_score_last_and_subtract_the_kl_per_token():
+    c = cfg(ppo={"use_kl_in_reward": True, "kl_in_reward_coef": 0.1}, loss_fn={"reference_policy_kl_penalty": 0.01})
+    batch, _ = prepare_ppo_batch(c, rollouts()[:2], pad_id=0)
+    batch["prev_logprobs"] = -0.5 * batch["token_mask"]
+    batch["ref_logprobs"] = -1.5 * batch["token_mask"]  # prev - ref = 1 on every response token
+    rewards = token_rewards(c, batch)
+    torch.testing.assert_close(rewards[0], torch.tensor([0.0, 0.0, -0.1, 0.9, 0.0, 0.0]))
+    torch.testing.assert_close(rewards[1], torch.tensor([0.0, 0.0, -0.1, -0.1, -0.1, -1.1]))
+    without = token_rewards(cfg(), batch)
+    assert without[1].tolist() == [0.0, 0.0, 0.0, 0.0, 0.0, -1.0]
