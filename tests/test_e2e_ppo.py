@@ -137,7 +137,9 @@ def test_builtin_ppo_configs_are_listed_and_valid():
     ("grpo_math_1B.yaml", "+value.precision=float32", "value: only PPO has a value model; add a `ppo:` section"),
     ("ppo_arith_tiny.yaml", "value.train_global_batch_size=96", "must be a multiple of value.train_global_batch_size (96)"),
     ("ppo_math_1B.yaml", "ppo.use_kl_in_reward=true", "ppo.use_kl_in_reward needs the reference policy"),
+    ("ppo_arith_tiny.yaml", "grpo.use_dynamic_sampling=true grpo.num_generations_per_prompt=1",
+     "needs grpo.num_generations_per_prompt >= 2"),
 ])
 def test_bad_ppo_configs_name_the_key(config, override, message):
-    result = grpo_config("validate", config, override)
+    result = grpo_config("validate", config, *override.split())
     assert result.returncode == 2 and message in result.stderr, result.stderr

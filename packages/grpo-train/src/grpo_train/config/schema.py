@@ -550,6 +550,9 @@ class GRPOMasterConfig(Section):
     def _check_ppo(self) -> None:
         if self.grpo.async_grpo.enabled:
             raise ValueError("grpo.async_grpo: PPO runs synchronously; set grpo.async_grpo.enabled: false")
+        if self.grpo.use_dynamic_sampling and self.grpo.num_generations_per_prompt < 2:
+            raise ValueError("grpo.use_dynamic_sampling keeps prompts whose samples differ in reward; with PPO it "
+                             "needs grpo.num_generations_per_prompt >= 2")
         if self.ppo.use_kl_in_reward and self.loss_fn.reference_policy_kl_penalty == 0:
             raise ValueError("ppo.use_kl_in_reward needs the reference policy, which is loaded only when "
                              "loss_fn.reference_policy_kl_penalty > 0")
