@@ -74,14 +74,17 @@ class TrajectoryCollector:
             self._task = asyncio.get_running_loop().create_task(self._produce())
 
     async def _produce(self) -> None:
-        while self.next_target <= self.last_step:
-            idle = time.perf_counter()
-            await self._wait_for(lambda: self.version >= self.next_target - 1 - self.max_age)
-            async with self._lock:
-                self.idle_s += time.perf_counter() - idle
-                await asyncio.to_thread(self._generate_batch, self.next_target, self.version)
-                self.next_target += 1
-            await self._notify()
+        try:
+            while self.next_target <= self.last_step:
+                idle = time.perf_counter()
+                await self._wait_for(lambda: self.version >= self.next_target - 1 - self.max_age)
+                async with self._lock:
+                    self.idle_s += time.perf_counter() - idle
+                    await asyncio.to_thread(self._generate_batch, self.next_target, self.version)
+                    self.next_target += 1
+                await self._notify()
+        finally:
+            await self._notify()  # a hold waiting for a batch that will never come must wake up
 
     def _generate_batch(self, target: int, version: int) -> None:
         """Draw the prompts of step `target`, roll them out and push their groups (a thread)."""
@@ -123,7 +126,9 @@ class TrajectoryCollector:
         start = time.perf_counter()
         if until_version is not None:
             last_old = min(until_version + self.max_age, self.last_step)
-            await self._wait_for(lambda: self.next_target > last_old)
+            await self._wait_for(lambda: self.next_target > last_old or self._stopped())
+            if (error := await self.error()) is not None:
+                raise RuntimeError(f"the trajectory collector stopped: {error}")
         await self._lock.acquire()
         return time.perf_counter() - start
 
@@ -149,10 +154,13 @@ class TrajectoryCollector:
 
     async def error(self) -> str | None:
         """The production loop's exception, if it died (the loop checks while it waits)."""
-        if self._task is not None and self._task.done() and self._task.exception() is not None:
+        if self._stopped() and not self._task.cancelled() and self._task.exception() is not None:
             exc = self._task.exception()
             return f"{type(exc).__name__}: {exc}"
         return None
+
+    def _stopped(self) -> bool:
+        return self._task is not None and self._task.done()
 
     async def shutdown(self) -> None:
         if self._task is not None:
