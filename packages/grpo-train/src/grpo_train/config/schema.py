@@ -178,8 +178,10 @@ class DTensorConfig(Section):
     enabled: bool = True
     """FSDP2 data parallelism on GPUs (gloo data parallelism on CPU)."""
     cpu_offload: bool = False
+    """FSDP2 keeps parameters, gradients and optimizer state in CPU memory between uses (GPUs)."""
     sequence_parallel: bool = False
     activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward instead of storing them (any device)."""
     tensor_parallel_size: int = Field(1, ge=1)
     context_parallel_size: int = Field(1, ge=1)
     custom_parallel_plan: str | None = None
