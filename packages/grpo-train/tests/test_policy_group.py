@@ -10,7 +10,7 @@ import pytest
 import ray
 import torch
 
-from grpo_train.config.schema import ClusterConfig, LossConfig, PolicyConfig
+from grpo_train.config.schema import ClusterConfig, DTensorConfig, LossConfig, PolicyConfig
 from grpo_train.actor_group import split_rows
 from grpo_train.policy.group import PolicyGroup, combine_metrics, worker_bundles
 
@@ -80,6 +80,26 @@ def test_two_data_parallel_workers_match_one_worker(ray_session, tiny_qwen2_dir)
         assert rel_err(g2[name], g1[name]) <= RTOL, name
     for name in w1:
         assert rel_err(w2[name], w1[name]) <= RTOL, name
+
+
+def test_activation_checkpointing_keeps_the_gradients(tiny_qwen2_dir):
+    """The switch the group applies at `init_distributed` recomputes activations, same maths."""
+    from grpo_train.policy.worker import PolicyWorker
+
+    torch.set_num_threads(1)
+    loss = LossConfig(reference_policy_kl_penalty=0.0)
+    grads = []
+    for checkpointing in (False, True):
+        cfg = policy_cfg(1).model_copy(update={"dtensor_cfg": DTensorConfig(activation_checkpointing=checkpointing)})
+        worker = PolicyWorker(tiny_qwen2_dir, cfg, loss, seed=0)
+        worker.init_distributed("127.0.0.1", 0)  # one CPU rank: no process group, only the switch
+        assert worker.model.is_gradient_checkpointing == checkpointing
+        batch = make_batch(B=8)
+        batch["prev_logprobs"] = worker.logprobs(batch)
+        worker.train(batch)
+        grads.append(worker.gradients())
+    for name in grads[0]:
+        assert rel_err(grads[1][name], grads[0][name]) <= RTOL, name
 
 
 def test_rows_split_evenly_and_metrics_reduce_like_the_loss():
