@@ -20,7 +20,6 @@ Boundary: no knowledge of rollouts or of the loop; weight pushes go through a tr
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import ray
 import torch
@@ -136,6 +135,8 @@ class PolicyGroup:
 
     def push_weights(self, version: int) -> None:
         """The trained weights into every attached engine, over the attached transport."""
+        if self.transport is None:
+            raise RuntimeError("PolicyGroup.push_weights before attach(transport, generators)")
         self.transport.push(self, self.generators, version)
 
     @property
