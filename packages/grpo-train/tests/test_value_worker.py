@@ -91,3 +91,21 @@ def test_save_and_load_resume_exactly(tiny_qwen2_dir, tmp_path):
     assert ma == pytest.approx(mb, rel=0, abs=0)
     for pa, pb in zip(a.model.parameters(), b.model.parameters()):
         assert pa.equal(pb)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_value_worker_matches_cpu(tiny_qwen2_dir, tmp_path):
+    """value.num_gpus > 0 puts the model on CUDA; values, a step and save/load agree with CPU (fp32)."""
+    batch = make_batch()
+    cpu, gpu = worker(tiny_qwen2_dir), worker(tiny_qwen2_dir, num_gpus=1)
+    assert next(gpu.model.parameters()).is_cuda
+    for w in (cpu, gpu):
+        torch.nn.init.constant_(w.model.head.weight, 0.01)
+    torch.testing.assert_close(gpu.values(batch), cpu.values(batch), atol=1e-4, rtol=1e-4)
+    batch["values"] = cpu.values(batch)
+    assert gpu.train(batch)["value_loss"] == pytest.approx(cpu.train(batch)["value_loss"], rel=1e-4)
+    gpu.save(str(tmp_path / "value"))
+    again = worker(tiny_qwen2_dir, num_gpus=1)
+    again.load(str(tmp_path / "value"))
+    torch.testing.assert_close(again.values(batch), gpu.values(batch), atol=0, rtol=0)

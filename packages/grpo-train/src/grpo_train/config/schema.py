@@ -482,6 +482,10 @@ class ValueConfig(Section):
     inference_batch_size: int = Field(4, ge=1)
     """Samples per forward when computing the rollout's values."""
     max_grad_norm: float | None = Field(1.0, gt=0)
+    num_gpus: float = Field(0.0, ge=0)
+    """GPUs (or a fraction of one) the value worker asks Ray for; > 0 puts the value model on CUDA.
+    It is placed outside the policy's placement group, so that much GPU must be free beside the
+    policy and generation. 0: the value model runs on CPU."""
     optimizer: OptimizerConfig = OptimizerConfig(kwargs={"lr": 1e-5, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8})
     scheduler: list[SchedulerEntry] = []
 

@@ -49,7 +49,7 @@ def build_ppo_components(cfg: GRPOMasterConfig, model_path: str) -> PPOComponent
     value_path = resolve_model_path(cfg.value.model_name, "value.model_name") if cfg.value.model_name else model_path
     global_batch = cfg.value.train_global_batch_size or cfg.policy.train_global_batch_size
     # Started first so that its start-up overlaps the policy's and the generator's.
-    value = ray.remote(num_cpus=1)(ValueWorker).remote(
+    value = ray.remote(ValueWorker).options(num_cpus=1, num_gpus=cfg.value.num_gpus).remote(
         value_path, cfg.value, cfg.value_loss_fn, global_batch, cfg.grpo.seed, num_threads=threads_per_actor())
     try:
         parts = build_components(cfg, model_path)

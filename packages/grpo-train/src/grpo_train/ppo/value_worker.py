@@ -50,7 +50,10 @@ class ValueWorker:
         torch.manual_seed(seed)
         self.cfg, self.loss_cfg = cfg, loss_cfg
         self.global_batch_size = global_batch_size  # samples per optimizer step
-        self.model = ValueModel(model_path, DTYPES[cfg.precision])
+        # The device comes from the config, not from what is visible: Ray leaves GPUs visible to
+        # actors that asked for none.
+        self.device = torch.device("cuda") if cfg.num_gpus > 0 else torch.device("cpu")
+        self.model = ValueModel(model_path, DTYPES[cfg.precision]).to(self.device)
         self.model.train()
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.scheduler)
@@ -63,8 +66,8 @@ class ValueWorker:
         for start in range(0, n, self.cfg.inference_batch_size):
             rows = slice(start, min(start + self.cfg.inference_batch_size, n))
             mb = select_rows(batch, rows)
-            v = self.model(mb["input_ids"], mb["attention_mask"])
-            out[rows, : v.shape[1]] = v
+            v = self.model(mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device))
+            out[rows, : v.shape[1]] = v.cpu()
         return out
 
     def train(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -87,7 +90,7 @@ class ValueWorker:
         sums: dict[str, float] = {}
         n, mb_size = batch_size(batch), self.cfg.train_micro_batch_size
         for start in range(0, n, mb_size):
-            mb = select_rows(batch, slice(start, min(start + mb_size, n)))
+            mb = {k: v.to(self.device) for k, v in select_rows(batch, slice(start, min(start + mb_size, n))).items()}
             values = self.model(mb["input_ids"], mb["attention_mask"])
             loss, m = value_loss_fn(values, mb["values"], mb["returns"], mb["token_mask"], mb["sample_mask"],
                                     self.loss_cfg, tokens, seqs)
@@ -126,7 +129,7 @@ class ValueWorker:
             if shard.name != HEAD_FILE:
                 backbone.update(load_file(shard))
         self.model.backbone.load_state_dict(backbone, strict=True)
-        self.model.head.load_state_dict(load_file(folder / "model" / HEAD_FILE), strict=True)
+        self.model.head.load_state_dict(load_file(folder / "model" / HEAD_FILE, device=str(self.device)), strict=True)
         self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=False))
         self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
         torch.set_rng_state(torch.load(folder / "torch_rng.pt"))
