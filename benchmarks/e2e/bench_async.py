@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -66,7 +67,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "e2e_async_cpu.md")
     args = parser.parse_args()
+    load_before = os.getloadavg()[1]
     results = [run(name, overrides, args.steps) for name, overrides in VARIANTS.items()]
+    load_after = os.getloadavg()[1]
     lines = [
         "# Sync vs async GRPO on the offline demo (CPU)",
         "",
@@ -75,6 +78,8 @@ def main() -> int:
         f"(256 prompts), IS correction on in every variant; figures over steps 2..{args.steps}",
         "- generation utilisation: generation + reward seconds / step seconds (async: the collector's seconds "
         "in the same interval)",
+        f"- 5-minute load average {load_before:.1f} before, {load_after:.1f} after (the machine is shared: "
+        "figures above ~2 mean other work competed for the 2 cores)",
         "",
         "| variant | s/step (median) | s/step (mean) | gen. utilisation | starvation s/step | exposed gen. s/step "
         "| gen. idle s/step | mean age | held-out acc. | process wall s |",

@@ -36,7 +36,8 @@ from grpo_train.sync_loop import _STEP_SEED_STRIDE, record_rewards, sampling_spe
 
 
 class TrajectoryCollector:
-    """See the module docstring. `state` is `state_dict()` of a previous collector or None."""
+    """See the module docstring. Starts at step `next_target` with the generator at weight
+    version `version` and its dataloader at `dataloader_state` (None: the beginning)."""
 
     def __init__(self, cfg, model_path: str, generator, buffer, last_step: int, next_target: int,
                  version: int, dataloader_state: dict | None) -> None:

@@ -231,7 +231,9 @@ def build_components(cfg: GRPOMasterConfig, model_path: str) -> Components:
     if cfg.grpo.async_grpo.enabled:  # the async engine (the config allows only vLLM here)
         from grpo_train.generation.async_vllm import make_async_generation_actor
 
-        generator = make_async_generation_actor(model_path, num_cpus=1, **gen_kwargs)
+        flags = cfg.grpo.async_grpo  # in-flight pushes that keep old KV cannot reset a prefix cache
+        prefix_caching = not (flags.in_flight_weight_updates and not flags.recompute_kv_cache_after_weight_updates)
+        generator = make_async_generation_actor(model_path, num_cpus=1, prefix_caching=prefix_caching, **gen_kwargs)
     else:
         resources = gen_cfg.colocated.resources
         engines = place_generators(gen_cfg.backend, model_path, gpus_per_node=cfg.cluster.gpus_per_node,

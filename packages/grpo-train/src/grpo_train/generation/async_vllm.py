@@ -19,7 +19,9 @@ Weight pushes (`update_weights`): the scheduler is paused — after the running 
 (`in_flight=False`), or with them frozen mid-sequence (`in_flight=True`, they then continue
 under the new weights) — the weights are loaded, the prefix cache is reset (and with
 `reset_running_kv`, the KV of frozen requests too, so they recompute it under the new weights),
-and the scheduler resumes.
+and the scheduler resumes. vLLM resets the prefix cache only when no request holds KV blocks,
+so in-flight pushes that keep the running requests' KV need `prefix_caching=False` (measured:
+the reset is refused otherwise); no stale prefix can then be reused.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class AsyncVllmGenerator:
         enforce_eager: bool = True,
         kv_cache_space_gb: float = 1.0,
         temperature_for_logprobs: float = 1.0,
+        prefix_caching: bool = True,
     ) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
@@ -73,6 +76,7 @@ class AsyncVllmGenerator:
         self.num_truncated_prompts = 0
         self._version = 0
         self._logprob_temperature: float | None = None
+        self._prefix_caching = prefix_caching
         # One pause/resume section at a time: a batch's submission must not resume a scheduler
         # that a weight push has paused, and the reverse.
         self._control = asyncio.Lock()
@@ -80,6 +84,7 @@ class AsyncVllmGenerator:
             model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
             tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
             logprobs_mode="raw_logprobs", generation_config="vllm", worker_extension_cls=WORKER_EXTENSION,
+            enable_prefix_caching=prefix_caching,
         )
         saved_env = None
         if current_platform.is_cpu():
@@ -139,9 +144,12 @@ class AsyncVllmGenerator:
             await self.engine.pause_generation(mode="keep" if in_flight else "wait", clear_cache=False)
             try:
                 await self.engine.collective_rpc("grpo_load_weights", args=(payload,))
-                # New requests must never hit prefix KV computed under the old weights.
-                if not await self.engine.reset_prefix_cache(reset_running_requests=reset_running_kv):
-                    raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
+                # New requests must never hit prefix KV computed under the old weights. The reset
+                # fails while requests hold KV blocks: in-flight pushes that keep the running KV
+                # need an engine without prefix caching.
+                if self._prefix_caching and not await self.engine.reset_prefix_cache(reset_running_requests=reset_running_kv):
+                    raise RuntimeError("vLLM cannot reset its prefix cache while requests keep their KV: run in-flight "
+                                       "weight updates with prefix_caching=False or reset_running_kv=True")
                 self._version = int(version)
             finally:
                 await self.engine.resume_generation()
