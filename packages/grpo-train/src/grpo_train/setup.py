@@ -51,18 +51,22 @@ def resolve_model_path(name: str, key: str = "policy.model_name") -> str:
 def check_supported(cfg: GRPOMasterConfig) -> list[str]:
     """Refuse settings this version validates but cannot run yet; return warnings for the rest.
 
-    Refused: what would change the algorithm or the resources silently. Warned: efficiency-only
-    switches whose absence leaves the maths unchanged (same loss, more padding).
+    Refused: what would change the algorithm or the resources silently. Warned: settings that run
+    but may stop a run later (a micro-batch token budget below the longest allowed sequence).
     """
     gen = cfg.policy.generation
     if gen.weight_transport == "ipc" and (cfg.cluster.gpus_per_node == 0 or not gen.colocated.enabled):
         raise StartupError("policy.generation.weight_transport: 'ipc' needs GPUs shared with the trainer "
                            "(colocated on GPUs); use 'collective' or 'object_store'")
     warnings = []
-    for key, section in (("policy.sequence_packing", cfg.policy.sequence_packing), ("policy.dynamic_batching", cfg.policy.dynamic_batching)):
-        if section.enabled:
-            warnings.append(f"{key}.enabled: the trainer uses padded micro-batches in this version "
-                            "(same loss and gradients, more padding)")
+    policy = cfg.policy
+    for name in ("sequence_packing", "dynamic_batching"):
+        section = getattr(policy, name)
+        for field in ("train_mb_tokens", "logprob_mb_tokens"):
+            budget = getattr(section, field)
+            if section.enabled and budget < policy.max_total_sequence_length:
+                warnings.append(f"policy.{name}.{field}={budget} is below policy.max_total_sequence_length="
+                                f"{policy.max_total_sequence_length}: a longer sequence will stop training with an error")
     return warnings
 
 

@@ -1,10 +1,23 @@
-"""Per-token logprobs of a causal LM through grpo_kernels' ops.
+"""Per-token logprobs of a causal LM through grpo_kernels' ops, on right-padded [B, S] rows or on
+one packed stream of sequences laid end to end ([T] tokens described by cu_seqlens).
 
 Training logits are divided by the sampling temperature, exactly as in generation. With
 `fused`, the lm_head matmul is fused into the logprob op so full logits never exist.
+
+Packed input needs attention that stops at sequence boundaries. transformers 5 derives a
+block-diagonal mask from reset position ids only when no KV cache exists, and the model's
+default `use_cache=True` creates one: the derived mask then silently becomes plain causal and
+every sequence attends to the ones packed before it. So packed forwards here never rely on
+that derivation: they pass the boundaries (`cu_seq_lens_*`, flash-attention's names) to the
+attention function and skip mask building. flash_attention_2/3 consume them natively; any other
+model is switched to `varlen_sdpa_attention` below (registered through transformers' public
+AttentionInterface), which runs each sequence's causal attention on its own and falls back to
+plain SDPA for unpacked calls.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +25,29 @@ import torch.nn.functional as F
 import grpo_kernels
 
 IGNORE_INDEX = -100
+# Name under which varlen_sdpa_attention is registered with transformers.
+VARLEN_ATTENTION = "grpo_varlen_sdpa"
+# Attention implementations that split attention by cu_seq_lens_* on their own.
+PACKED_ATTENTION = (VARLEN_ATTENTION, "flash_attention_2", "flash_attention_3")
+# Mask mapping that makes a transformers-5 decoder skip mask building (packed calls need none).
+_NO_MASKS = {"full_attention": None, "sliding_attention": None}
+# Off the flash kernel, sequences whose lengths are within this factor share one padded SDPA
+# call: a bucket spends at most 1 - 0.8**2 = 36 % of its attention work on padding, and a stream
+# of lengths 1..L needs only about log(L) / log(1.25) calls per layer.
+BUCKET_RATIO = 0.8
+
+
+# ------------------------------------------------------------------------------ logprobs
+def _target_logprobs(model: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+                     fused: bool, chunk_size: int | None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """grpo_kernels' (fused) lm_head logprob op on hidden [N, H] -> [N]."""
+    head = model.get_output_embeddings()
+    kwargs = {"temperature": temperature, "ignore_index": IGNORE_INDEX, "cu_seqlens": cu_seqlens}
+    if chunk_size is not None:
+        kwargs["chunk_size"] = chunk_size
+    if fused and getattr(head, "bias", None) is None:
+        return grpo_kernels.linear_token_logprobs(hidden, head.weight, targets, **kwargs)
+    return grpo_kernels.token_logprobs(head(hidden), targets, **kwargs)
 
 
 def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
@@ -19,15 +55,129 @@ def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention
     """log p(x_t | x_<t) for t >= 1, 0 at t = 0 and on padding: [B, S] fp32."""
     B, S = input_ids.shape
     backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, :-1]  # [B, S-1, H]
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state[:, :-1]  # [B, S-1, H]
     targets = input_ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, IGNORE_INDEX).reshape(-1)  # [B*(S-1)]
-    hidden = hidden.reshape(-1, hidden.shape[-1])
-    head = model.get_output_embeddings()
-    kwargs = {"temperature": temperature, "ignore_index": IGNORE_INDEX}
-    if chunk_size is not None:
-        kwargs["chunk_size"] = chunk_size
-    if fused and getattr(head, "bias", None) is None:
-        lp = grpo_kernels.linear_token_logprobs(hidden, head.weight, targets, **kwargs)
-    else:
-        lp = grpo_kernels.token_logprobs(head(hidden), targets, **kwargs)
+    lp = _target_logprobs(model, hidden.reshape(-1, hidden.shape[-1]), targets, temperature, fused, chunk_size)
     return F.pad(lp.view(B, S - 1).float(), (1, 0))
+
+
+def packed_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                    max_seqlen: int, temperature: float, fused: bool = True, chunk_size: int | None = None) -> torch.Tensor:
+    """log p(x_t | x_<t) of a packed stream: [T] fp32, 0 at the first token of every sequence.
+
+    input_ids, position_ids: [T] int64 (positions restart at 0 per sequence); cu_seqlens [n + 1]
+    must cover all T tokens (a padding tail is a sequence of its own). Switches `model` to an
+    attention that honours the boundaries first (see the module docstring).
+    """
+    if int(cu_seqlens[-1]) != input_ids.shape[0]:
+        raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])} but the stream has {input_ids.shape[0]} tokens; "
+                         "give a padding tail a segment of its own")
+    use_packed_attention(model)
+    cu = cu_seqlens.to(device=input_ids.device, dtype=torch.int32)  # flash-attention wants int32
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(
+        input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=_NO_MASKS, use_cache=False,
+        cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_seqlen, max_length_k=max_seqlen,
+    ).last_hidden_state[0]  # [T, H]
+    # With cu_seqlens the op scores input_ids[t + 1] at t inside each sequence (0 at its last token).
+    lp = _target_logprobs(model, hidden, input_ids, temperature, fused, chunk_size, cu_seqlens=cu_seqlens.to(input_ids.device))
+    return F.pad(lp[:-1].float(), (1, 0))  # [T]: token t holds log p(x_t | x_<t)
+
+
+# ---------------------------------------------------------------- attention on packed input
+def varlen_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                          sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers attention function: causal attention within each packed sequence.
+
+    query [1, Hq, T, D], key/value [1, Hkv, T, D] -> ([1, T, Hq, D], None). Packed calls carry
+    cu_seq_lens_q / max_length_q; other calls go to transformers' SDPA attention unchanged.
+    On CUDA in fp16/bf16 the packed call is PyTorch's flash varlen kernel; elsewhere sequences of
+    similar length are gathered into right-padded batches for causal SDPA, then scattered back.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    cu = kwargs.pop("cu_seq_lens_q", None)
+    if cu is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if sliding_window is not None:
+        raise NotImplementedError("packed sequences with sliding-window attention are not supported; "
+                                  "disable policy.sequence_packing for this model")
+    if query.shape[0] != 1:
+        raise ValueError(f"packed attention expects one stream (batch 1), got batch {query.shape[0]}")
+    max_len, n_q, n_kv = int(kwargs["max_length_q"]), query.shape[1], key.shape[1]
+    varlen = _torch_varlen_attn()
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dropout == 0.0 and varlen is not None:
+        cu32 = cu.to(torch.int32)
+        out = varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu32, cu32, max_len, max_len,
+                     scale=scaling, window_size=(-1, 0), enable_gqa=n_q != n_kv)  # [T, Hq, D]
+        return out[None], None
+    qkv = torch.cat([query[0], key[0], value[0]], dim=0).transpose(0, 1)  # [T, Hq + 2 Hkv, D]
+    out = _bucketed_causal_attention(qkv, cu.to(torch.int64), (n_q, n_kv), dropout, scaling)  # [T, Hq, D]
+    return out[None], None
+
+
+def _length_buckets(lengths: list[int]) -> list[list[int]]:
+    """Indices of the non-empty sequences grouped by similar length, longest first (BUCKET_RATIO)."""
+    buckets: list[list[int]] = []
+    for i in sorted((i for i in range(len(lengths)) if lengths[i]), key=lambda i: (-lengths[i], i)):
+        if not buckets or lengths[i] < BUCKET_RATIO * lengths[buckets[-1][0]]:
+            buckets.append([])
+        buckets[-1].append(i)
+    return buckets
+
+
+def _bucketed_causal_attention(qkv: torch.Tensor, cu: torch.Tensor, heads: tuple[int, int], dropout: float,
+                               scaling: float | None) -> torch.Tensor:
+    """Causal attention of every sequence of a packed stream, one padded SDPA call per bucket of
+    similar lengths. qkv [T, Hq + 2 Hkv, D] (cu covers all T tokens) -> [T, Hq, D].
+
+    A bucket's sequences are gathered into right-padded [n, H, L, D]; under the causal mask no
+    real query reaches a padding slot (they all come after it), and padding queries are dropped."""
+    n_q, n_kv = heads
+    D = qkv.shape[2]
+    starts, lengths = cu[:-1].tolist(), cu.diff().tolist()
+    outs, rows = [], []
+    for bucket in _length_buckets(lengths):
+        L = lengths[bucket[0]]
+        first = torch.tensor([starts[i] for i in bucket], device=qkv.device)
+        cols = torch.arange(L, device=qkv.device)
+        valid = cols[None, :] < torch.tensor([lengths[i] for i in bucket], device=qkv.device)[:, None]  # [n, L]
+        src = (first[:, None] + torch.where(valid, cols, 0)).reshape(-1)  # padding slots re-read token 0
+        q, k, v = qkv.index_select(0, src).view(len(bucket), L, -1, D).transpose(1, 2).split([n_q, n_kv, n_kv], dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling,
+                                           enable_gqa=n_q != n_kv)  # [n, Hq, L, D]
+        keep = valid.reshape(-1).nonzero().squeeze(1)
+        outs.append(o.transpose(1, 2).reshape(-1, n_q, D).index_select(0, keep))
+        rows.append(src[keep])
+    order = torch.argsort(torch.cat(rows))  # the buckets' tokens cover 0..T-1 once each
+    return torch.cat(outs).index_select(0, order)
+
+
+@functools.cache
+def _torch_varlen_attn():
+    """PyTorch's flash varlen attention (torch >= 2.9, CUDA), or None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+@functools.cache
+def _register_varlen_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(VARLEN_ATTENTION, varlen_sdpa_attention)
+    AttentionMaskInterface.register(VARLEN_ATTENTION, sdpa_mask)  # unpacked calls build SDPA's masks
+
+
+def use_packed_attention(model: torch.nn.Module) -> None:
+    """Make `model` (and its later deep copies) honour packed-sequence boundaries: keep
+    flash-attention, else switch to varlen_sdpa_attention. Idempotent; checkpoints are unaffected
+    (the implementation is not saved in config.json)."""
+    if model.config._attn_implementation in PACKED_ATTENTION:
+        return
+    _register_varlen_attention()
+    model.set_attn_implementation(VARLEN_ATTENTION)

@@ -14,9 +14,10 @@ from pathlib import Path
 import torch
 
 import grpo_kernels
-from grpo_train.batch import batch_size, select_rows
+from grpo_train.batch import batch_size
 from grpo_train.config.schema import LossConfig, PolicyConfig
-from grpo_train.policy.logprobs import sequence_logprobs
+from grpo_train.policy import microbatch
+from grpo_train.policy.logprobs import packed_logprobs, sequence_logprobs
 from grpo_train.policy.optim import build_optimizer, build_scheduler
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -60,6 +61,29 @@ class PolicyWorker:
         return sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], self.temperature,
                                  fused=self.cfg.use_fused_kernels, chunk_size=self.cfg.logprob_chunk_size)
 
+    def _microbatch_logprobs(self, model: torch.nn.Module, batch: dict[str, torch.Tensor],
+                             mb: microbatch.MicroBatch) -> torch.Tensor:
+        """[len(mb.rows), W] logprobs of one micro-batch's rows (W: its width, or its longest row packed)."""
+        device = next(model.parameters()).device
+        if not mb.packed:
+            inputs = {key: batch[key] for key in ("input_ids", "attention_mask")}
+            return self._logprobs(model, microbatch.rows_of(inputs, mb.rows, mb.width, device))
+        packed = microbatch.pack_rows(batch["input_ids"], mb, device)
+        flat = packed_logprobs(model, packed.input_ids, packed.position_ids, packed.cu_seqlens, packed.max_seqlen,
+                               self.temperature, fused=self.cfg.use_fused_kernels, chunk_size=self.cfg.logprob_chunk_size)
+        return microbatch.unpack_rows(flat, packed)
+
+    def _agree_microbatch_count(self, n: int) -> int:
+        """Micro-batches every data-parallel rank runs: the most any rank has. Ranks with fewer
+        run dummy ones, so collectives inside forward/backward (FSDP) stay matched."""
+        import torch.distributed as dist
+
+        if self.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+            return n
+        count = torch.tensor([n], dtype=torch.int64, device=next(self.model.parameters()).device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        return int(count.item())
+
     @torch.no_grad()
     def logprobs(self, batch: dict[str, torch.Tensor], reference: bool = False) -> torch.Tensor:
         """[B, S] logprobs under the current (or the reference) weights, in logprob micro-batches."""
@@ -68,24 +92,28 @@ class PolicyWorker:
             raise ValueError("reference logprobs requested but loss_fn.reference_policy_kl_penalty is 0")
         n, S = batch_size(batch), batch["input_ids"].shape[1]
         out = torch.zeros(n, S)
-        step = self.cfg.logprob_batch_size
-        for start in range(0, n, step):
-            rows = slice(start, min(start + step, n))
-            mb = select_rows(batch, rows)
-            lp = self._logprobs(model, mb)
-            out[rows, : lp.shape[1]] = lp
+        planner = microbatch.make_planner(self.cfg, "logprob")
+        lengths = microbatch.row_lengths(batch["attention_mask"])
+        plan = planner.plan(lengths, S)
+        for i in range(self._agree_microbatch_count(len(plan))):
+            if i >= len(plan):  # keeps this rank in step; the result is not used
+                self._microbatch_logprobs(model, batch, planner.dummy(lengths, S))
+                continue
+            lp = self._microbatch_logprobs(model, batch, plan[i])  # [rows, W]
+            out[torch.tensor(plan[i].rows), : lp.shape[1]] = lp.float().cpu()
         return out
 
     @torch.no_grad()
     def score(self, sequences: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
-        """Logprobs of sequences[i][prompt_lens[i]:] under the current weights (refit probe)."""
+        """Logprobs of sequences[i][prompt_lens[i]:] under the current weights (refit probe),
+        through the same micro-batches (padded, dynamic or packed) as training."""
         S = max(len(s) for s in sequences)
         input_ids = torch.zeros(len(sequences), S, dtype=torch.long)
         attention_mask = torch.zeros(len(sequences), S, dtype=torch.long)
         for i, seq in enumerate(sequences):
             input_ids[i, : len(seq)] = torch.tensor(seq)
             attention_mask[i, : len(seq)] = 1
-        lp = self._logprobs(self.model, {"input_ids": input_ids, "attention_mask": attention_mask})
+        lp = self.logprobs({"input_ids": input_ids, "attention_mask": attention_mask})
         return [lp[i, plen : len(seq)].tolist() for i, (seq, plen) in enumerate(zip(sequences, prompt_lens))]
 
     # ---------------------------------------------------------------------------- training
@@ -115,10 +143,17 @@ class PolicyWorker:
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         lr = self.scheduler.get_last_lr()[0]
-        n = batch_size(batch)
-        for start in range(0, n, self.cfg.train_micro_batch_size):
-            mb = select_rows(batch, slice(start, min(start + self.cfg.train_micro_batch_size, n)))
-            curr = self._logprobs(self.model, mb)
+        S = batch["input_ids"].shape[1]
+        planner = microbatch.make_planner(self.cfg, "train")
+        lengths = microbatch.row_lengths(batch["attention_mask"])
+        plan = planner.plan(lengths, S)
+        for i in range(self._agree_microbatch_count(len(plan))):
+            if i >= len(plan):  # keeps this rank in step: gradients of exactly zero
+                curr = self._microbatch_logprobs(self.model, batch, planner.dummy(lengths, S))
+                (curr.sum() * 0.0).backward()
+                continue
+            curr = self._microbatch_logprobs(self.model, batch, plan[i])  # [rows, W]
+            mb = microbatch.rows_of(batch, plan[i].rows, curr.shape[1], curr.device)
             loss, m = grpo_kernels.clipped_pg_loss(
                 curr, mb["prev_logprobs"], mb["gen_logprobs"], mb.get("ref_logprobs"), mb["advantages"],
                 mb["token_mask"], mb["sample_mask"], self.loss_cfg, global_tokens, global_seqs,
