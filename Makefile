@@ -14,7 +14,7 @@ demo: sync
 	$(RUN) grpo train
 
 test: sync
-	$(RUN) pytest packages tests
+	$(RUN) pytest packages tests --durations=25
 
 test-fast: sync
 	$(RUN) pytest packages tests -m "not slow"

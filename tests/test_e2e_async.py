@@ -37,6 +37,18 @@ def run_grpo(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
+def start_grpo(*args: str, cwd: Path) -> subprocess.Popen:
+    """A run in the background: start-up (Ray, vLLM) is mostly waiting, so two runs side by side
+    take far less wall time than one after the other; their results do not depend on timing."""
+    return subprocess.Popen(grpo_cmd(*args), cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen) -> None:
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-4000:]
+
+
 def metrics(run_dir: Path) -> list[dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [{k: v for k, v in row.items() if not k.startswith(TIMING)} for row in rows]
@@ -53,11 +65,11 @@ def test_zero_age_async_reproduces_the_sync_loop(tmp_path):
     exactly (the async engine samples what the offline engine samples)."""
     common = [*SHORT, "grpo.max_num_steps=3", "grpo.val_period=0", "grpo.val_at_end=false",
               "checkpointing.enabled=false", "loss_fn.use_importance_sampling_correction=true"]
-    sync = run_grpo("--run-dir", str(tmp_path / "sync"), *common, cwd=tmp_path)
-    assert sync.returncode == 0, sync.stderr[-4000:]
-    run = run_grpo(*ASYNC, "--run-dir", str(tmp_path / "async"), *common,
-                   "grpo.async_grpo.max_trajectory_age_steps=0", cwd=tmp_path)
-    assert run.returncode == 0, run.stderr[-4000:]
+    sync = start_grpo("--run-dir", str(tmp_path / "sync"), *common, cwd=tmp_path)
+    run = start_grpo(*ASYNC, "--run-dir", str(tmp_path / "async"), *common,
+                     "grpo.async_grpo.max_trajectory_age_steps=0", cwd=tmp_path)
+    finish(sync)
+    finish(run)
     rows_sync = metrics(tmp_path / "sync")
     rows_async = metrics(tmp_path / "async")
     assert [r["step"] for r in rows_async] == [1, 2, 3]
@@ -72,21 +84,10 @@ def test_kill_and_resume_trains_every_prompt_once_within_the_age_bound(tmp_path)
 
     common = [*ASYNC, *SHORT, "grpo.max_num_steps=6", "grpo.val_period=0", "grpo.val_at_start=true",
               "checkpointing.save_period=3", "checkpointing.keep_top_k=null"]
-    straight = tmp_path / "straight"
-    result = run_grpo("--run-dir", str(straight), *common, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-4000:]
-    records = buffer_records(straight / "checkpoints" / "step_6")
-    # One step behind: step s trains on groups from weights s-2 (s-1 at the first step), never older.
-    assert [r["step"] for r in records] == [s for s in range(1, 7) for _ in range(8)]
-    assert all(0 <= r["age"] <= 1 and not r["dropped"] for r in records)
-    assert [r["age"] for r in records if r["step"] > 1] == [1] * 40
-    val = [r for r in metrics(straight) if r["split"] == "val"]
-    assert [r["step"] for r in val] == [0, 6]
-    assert val[1]["accuracy"] > val[0]["accuracy"]  # async training raises held-out accuracy
-
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    uninterrupted = start_grpo("--run-dir", str(straight), *common, cwd=tmp_path)
     # Killed as soon as the step-3 checkpoint exists: the collector is then generating step 5's
     # batch (its weights, version 3, were pushed before the save), so generation is in flight.
-    resumed = tmp_path / "resumed"
     proc = subprocess.Popen(grpo_cmd("--run-dir", str(resumed), *common), cwd=tmp_path,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 600
@@ -96,6 +97,16 @@ def test_kill_and_resume_trains_every_prompt_once_within_the_age_bound(tmp_path)
         time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    finish(uninterrupted)
+    records = buffer_records(straight / "checkpoints" / "step_6")
+    # One step behind: step s trains on groups from weights s-2 (s-1 at the first step), never older.
+    assert [r["step"] for r in records] == [s for s in range(1, 7) for _ in range(8)]
+    assert all(0 <= r["age"] <= 1 and not r["dropped"] for r in records)
+    assert [r["age"] for r in records if r["step"] > 1] == [1] * 40
+    val = [r for r in metrics(straight) if r["split"] == "val"]
+    assert [r["step"] for r in val] == [0, 6]
+    assert val[1]["accuracy"] > val[0]["accuracy"]  # async training raises held-out accuracy
+
     assert torch.load(resumed / "checkpoints" / "step_3" / "collector.pt")["next_target"] == 5
     result = run_grpo("--run-dir", str(resumed), *common, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]

@@ -84,9 +84,10 @@ def test_kill_and_resume_gives_bitwise_equal_weights_and_metrics(tmp_path):
     common = [*SHORT, "grpo.max_num_steps=6", "grpo.val_period=0", "grpo.val_at_end=false",
               "checkpointing.save_period=3", "checkpointing.keep_top_k=null", "logger.wandb_enabled=false",
               "logger.tensorboard_enabled=false", "logger.plot_enabled=false"]
+    # The uninterrupted run and the one to be killed start side by side (start-up is mostly waiting).
     straight = tmp_path / "straight"
-    result = run_grpo("train", "--run-dir", str(straight), *common, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-4000:]
+    uninterrupted = subprocess.Popen(grpo_cmd("train", "--run-dir", str(straight), *common), cwd=tmp_path,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
     # Same run, killed with SIGKILL once the step-3 checkpoint exists, then restarted.
     resumed = tmp_path / "resumed"
@@ -99,6 +100,8 @@ def test_kill_and_resume_gives_bitwise_equal_weights_and_metrics(tmp_path):
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    _, err = uninterrupted.communicate(timeout=600)
+    assert uninterrupted.returncode == 0, err[-4000:]
     result = run_grpo("train", "--run-dir", str(resumed), *common, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "resumed from" in result.stderr
