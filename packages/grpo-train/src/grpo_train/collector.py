@@ -32,7 +32,7 @@ import ray
 from grpo_train.replay_buffer import GroupEntry
 
 # Distinct seeds per step: the sync loop's seeds, so max_age 0 samples what the sync loop samples.
-from grpo_train.sync_loop import _STEP_SEED_STRIDE, record_rewards, sampling_spec
+from grpo_train.sync_loop import record_rewards, sampling_spec, step_seed
 
 
 class TrajectoryCollector:
@@ -100,7 +100,7 @@ class TrajectoryCollector:
     def rollout(self, datums: list, target: int, version: int, epoch: int = 0) -> list[GroupEntry]:
         from grpo_train.rollout import rollout_batch
 
-        ray.get(self.parts.generator.reseed.remote(self.cfg.grpo.seed * _STEP_SEED_STRIDE + target))
+        ray.get(self.parts.generator.reseed.remote(step_seed(self.cfg, target)))
         result = rollout_batch(self.cfg, self.parts, datums, self.sampling)
         record_rewards(self.train_data, result.rollouts)
         groups: list[list] = [[] for _ in datums]

@@ -20,6 +20,11 @@ from grpo_train.validation import validate
 _STEP_SEED_STRIDE = 1_000_003
 
 
+def step_seed(cfg: GRPOMasterConfig, step: int) -> int:
+    """The generator's seed for `step`: a resumed run samples exactly what the uninterrupted one sampled."""
+    return cfg.grpo.seed * _STEP_SEED_STRIDE + step
+
+
 def sampling_spec(cfg: GRPOMasterConfig) -> SamplingSpec:
     gen = cfg.policy.generation
     return SamplingSpec(
@@ -57,6 +62,18 @@ def run_validation(cfg: GRPOMasterConfig, parts, logger, step: int) -> dict[str,
     return metrics
 
 
+def validate_and_save(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: TrainerState, last: int,
+                      extra_workers: dict | None = None) -> None:
+    """The end of a step: validation when due, then a checkpoint when due (ranked by val metrics)."""
+    step = state.step
+    val_metrics = {}
+    if (cfg.grpo.val_period and step % cfg.grpo.val_period == 0) or (step == last and cfg.grpo.val_at_end):
+        val_metrics = run_validation(cfg, parts, logger, step)
+    if checkpoints is not None and (step % cfg.checkpointing.save_period == 0 or step == last):
+        ckpt_metrics = {f"val_{k}": v for k, v in val_metrics.items()} if val_metrics else None
+        save_checkpoint(checkpoints, parts, state, ckpt_metrics, extra_workers)
+
+
 def collect_rollouts(cfg: GRPOMasterConfig, parts, sampling: SamplingSpec, state: TrainerState):
     """One rollout; with dynamic sampling, more rounds until enough groups carry signal."""
     datums = next(parts.train_data)
@@ -78,7 +95,7 @@ def train_sync(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Trainer
     while state.step < last:
         step = state.step + 1
         timer = PhaseTimer()
-        ray.get(parts.generator.reseed.remote(cfg.grpo.seed * _STEP_SEED_STRIDE + step))
+        ray.get(parts.generator.reseed.remote(step_seed(cfg, step)))
 
         result, sampling_metrics = collect_rollouts(cfg, parts, sampling, state)
         timer.add("generate", result.generate_s)
@@ -104,12 +121,6 @@ def train_sync(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Trainer
         metrics |= result.env_metrics | sampling_metrics | timer.metrics()
         metrics["tokens_per_s"] = generated_tokens / max(result.generate_s, 1e-9)
         logger.log(metrics, step)
-
-        val_metrics = {}
-        if (cfg.grpo.val_period and step % cfg.grpo.val_period == 0) or (step == last and cfg.grpo.val_at_end):
-            val_metrics = run_validation(cfg, parts, logger, step)
-        if checkpoints is not None and (step % cfg.checkpointing.save_period == 0 or step == last):
-            ckpt_metrics = {f"val_{k}": v for k, v in val_metrics.items()} if val_metrics else None
-            save_checkpoint(checkpoints, parts, state, ckpt_metrics)
+        validate_and_save(cfg, parts, logger, checkpoints, state, last)
     return state
 

@@ -14,8 +14,9 @@ import ray
 
 from grpo_train.config.schema import GRPOMasterConfig
 from grpo_train.ppo.ppo_step import PPOComponents, add_values_and_advantages, mean_over_epochs, prepare_ppo_batch
-from grpo_train.run_state import TrainerState, save_checkpoint
-from grpo_train.sync_loop import _STEP_SEED_STRIDE, collect_rollouts, record_rewards, run_validation, sampling_spec, total_steps
+from grpo_train.run_state import TrainerState
+from grpo_train.sync_loop import (collect_rollouts, record_rewards, run_validation, sampling_spec, step_seed, total_steps,
+                                  validate_and_save)
 from grpo_train.train_step import PhaseTimer, add_logprobs, check_refit, push_weights
 
 
@@ -38,7 +39,7 @@ def train_ppo(cfg: GRPOMasterConfig, parts: PPOComponents, logger, checkpoints, 
     while state.step < last:
         step = state.step + 1
         timer = PhaseTimer()
-        ray.get(parts.generator.reseed.remote(cfg.grpo.seed * _STEP_SEED_STRIDE + step))
+        ray.get(parts.generator.reseed.remote(step_seed(cfg, step)))
 
         result, sampling_metrics = collect_rollouts(cfg, parts, sampling, state)
         timer.add("generate", result.generate_s)
@@ -69,11 +70,5 @@ def train_ppo(cfg: GRPOMasterConfig, parts: PPOComponents, logger, checkpoints, 
         metrics["tokens_per_s"] = generated_tokens / max(result.generate_s, 1e-9)
         metrics["policy_trained"] = float(train_policy)
         logger.log(metrics, step)
-
-        val_metrics = {}
-        if (cfg.grpo.val_period and step % cfg.grpo.val_period == 0) or (step == last and cfg.grpo.val_at_end):
-            val_metrics = run_validation(cfg, parts, logger, step)
-        if checkpoints is not None and (step % cfg.checkpointing.save_period == 0 or step == last):
-            ckpt_metrics = {f"val_{k}": v for k, v in val_metrics.items()} if val_metrics else None
-            save_checkpoint(checkpoints, parts, state, ckpt_metrics, parts.extra_workers)
+        validate_and_save(cfg, parts, logger, checkpoints, state, last, parts.extra_workers)
     return state
