@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from grpo_train.config.schema import ValueConfig, ValueLossConfig
-from grpo_train.ppo.value_worker import ValueWorker
+from grpo_train.ppo.value_worker import ValueWorker, value_planner
 
 torch.set_num_threads(1)
 
@@ -31,8 +31,9 @@ def make_batch(seed: int = 0, B: int = 8) -> dict[str, torch.Tensor]:
             "returns": torch.randn(B, S, generator=g) * token_mask}
 
 
-def worker(model_dir: str, **kw) -> ValueWorker:
-    return ValueWorker(model_dir, value_cfg(**kw), ValueLossConfig(value_clip=0.5), global_batch_size=8, seed=0)
+def worker(model_dir: str, device: str = "cpu", **kw) -> ValueWorker:
+    return ValueWorker(model_dir, value_cfg(**kw), ValueLossConfig(value_clip=0.5), global_batch_size=8, seed=0,
+                       device=device)
 
 
 def test_values_start_at_zero_and_are_aligned_and_padding_invariant(tiny_qwen2_dir):
@@ -63,6 +64,25 @@ def test_micro_batch_size_does_not_change_the_step(tiny_qwen2_dir):
         results.append((metrics["value_loss"], w.values(batch)))
     assert abs(results[0][0] - results[1][0]) < 1e-5
     torch.testing.assert_close(results[0][1], results[1][1], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("batching", [
+    {"sequence_packing": {"enabled": True, "train_mb_tokens": 24, "logprob_mb_tokens": 30, "sequence_length_round": 4}},
+    {"dynamic_batching": {"enabled": True, "train_mb_tokens": 24, "logprob_mb_tokens": 30, "sequence_length_round": 4}},
+], ids=["packed", "dynamic"])
+def test_token_budget_micro_batches_match_padded_ones(tiny_qwen2_dir, batching):
+    """value.sequence_packing / value.dynamic_batching: the same values, loss and updated weights."""
+    batch = make_batch()
+    padded, other = worker(tiny_qwen2_dir), worker(tiny_qwen2_dir, **batching)
+    assert value_planner(other.cfg, "train").name == next(iter(batching))
+    for w in (padded, other):
+        torch.nn.init.constant_(w.model.head.weight, 0.05)
+    torch.testing.assert_close(other.values(batch), padded.values(batch), atol=1e-5, rtol=1e-5)
+    batch["values"] = padded.values(batch)
+    m_padded, m_other = padded.train(batch), other.train(batch)
+    assert m_other["value_loss"] == pytest.approx(m_padded["value_loss"], rel=1e-5)
+    for (name, a), b in zip(padded.model.named_parameters(), other.model.parameters()):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5, msg=name)
 
 
 def test_value_loss_falls_on_fixed_returns(tiny_qwen2_dir):
@@ -96,9 +116,9 @@ def test_save_and_load_resume_exactly(tiny_qwen2_dir, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_value_worker_matches_cpu(tiny_qwen2_dir, tmp_path):
-    """value.num_gpus > 0 puts the model on CUDA; values, a step and save/load agree with CPU (fp32)."""
+    """device="cuda" (a GPU cluster) puts the model on CUDA; values, a step and save/load agree with CPU (fp32)."""
     batch = make_batch()
-    cpu, gpu = worker(tiny_qwen2_dir), worker(tiny_qwen2_dir, num_gpus=1)
+    cpu, gpu = worker(tiny_qwen2_dir), worker(tiny_qwen2_dir, device="cuda")
     assert next(gpu.model.parameters()).is_cuda
     for w in (cpu, gpu):
         torch.nn.init.constant_(w.model.head.weight, 0.01)
@@ -106,6 +126,6 @@ def test_cuda_value_worker_matches_cpu(tiny_qwen2_dir, tmp_path):
     batch["values"] = cpu.values(batch)
     assert gpu.train(batch)["value_loss"] == pytest.approx(cpu.train(batch)["value_loss"], rel=1e-4)
     gpu.save(str(tmp_path / "value"))
-    again = worker(tiny_qwen2_dir, num_gpus=1)
+    again = worker(tiny_qwen2_dir, device="cuda")
     again.load(str(tmp_path / "value"))
     torch.testing.assert_close(again.values(batch), gpu.values(batch), atol=0, rtol=0)

@@ -482,15 +482,28 @@ class ValueConfig(Section):
     inference_batch_size: int = Field(4, ge=1)
     """Samples per forward when computing the rollout's values."""
     max_grad_norm: float | None = Field(1.0, gt=0)
-    num_gpus: float = Field(0.0, ge=0)
-    """GPUs (or a fraction of one) the value worker asks Ray for; > 0 puts the value model on CUDA.
-    It is placed outside the policy's placement group, so that much GPU must be free beside the
-    policy and generation. 0: the value model runs on CPU."""
+    num_workers: int = Field(1, ge=1)
+    """Data-parallel value workers (Ray actors), placed like policy.num_workers in a placement group
+    of their own: one bundle each from the cluster, a GPU each when cluster.gpus_per_node > 0."""
+    dynamic_batching: MicroBatchingConfig = MicroBatchingConfig()
+    """As policy.dynamic_batching; logprob_mb_tokens budgets the rollout-time values pass."""
+    sequence_packing: SequencePackingConfig = SequencePackingConfig()
+    """As policy.sequence_packing; logprob_mb_tokens budgets the rollout-time values pass."""
     optimizer: OptimizerConfig = OptimizerConfig(kwargs={"lr": 1e-5, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8})
     scheduler: list[SchedulerEntry] = []
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_num_gpus(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "num_gpus" in data:
+            raise ValueError("value.num_gpus was replaced by value.num_workers: each value rank takes one GPU from "
+                             "the cluster when cluster.gpus_per_node > 0 (and one CPU otherwise)")
+        return data
+
     @model_validator(mode="after")
     def _batching(self) -> ValueConfig:
+        if self.dynamic_batching.enabled and self.sequence_packing.enabled:
+            raise ValueError("value.dynamic_batching and value.sequence_packing are mutually exclusive: enable at most one")
         if self.train_global_batch_size is not None and self.train_global_batch_size % self.train_micro_batch_size:
             raise ValueError(f"train_global_batch_size ({self.train_global_batch_size}) must be a multiple of "
                              f"train_micro_batch_size ({self.train_micro_batch_size})")
@@ -570,3 +583,21 @@ class GRPOMasterConfig(Section):
         if value_batch % self.value.train_micro_batch_size:
             raise ValueError(f"value.train_global_batch_size ({value_batch}) must be a multiple of "
                              f"value.train_micro_batch_size ({self.value.train_micro_batch_size})")
+        if value_batch % self.value.num_workers:
+            raise ValueError(f"value.train_global_batch_size ({value_batch}) must be a multiple of value.num_workers "
+                             f"({self.value.num_workers}): each value optimizer step splits evenly over the workers")
+        self._check_ppo_gpus()
+
+    def _check_ppo_gpus(self) -> None:
+        """On GPUs every policy rank, separate generation GPU and value rank takes a GPU of its own."""
+        if self.cluster.gpus_per_node == 0:
+            return
+        gen = self.policy.generation.colocated
+        generation = 0 if gen.enabled else (gen.resources.gpus_per_node or 0) * (gen.resources.num_nodes or 1)
+        wanted = self.policy.num_workers + generation + self.value.num_workers
+        have = self.cluster.gpus_per_node * self.cluster.num_nodes
+        if wanted > have:
+            raise ValueError(
+                f"policy.num_workers ({self.policy.num_workers}) + policy.generation.colocated.resources GPUs "
+                f"({generation}) + value.num_workers ({self.value.num_workers}) = {wanted} GPUs, but the cluster has "
+                f"cluster.gpus_per_node * cluster.num_nodes = {have}; lower one of them or add GPUs")

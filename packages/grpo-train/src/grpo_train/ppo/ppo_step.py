@@ -2,8 +2,8 @@
 
 The sibling of `grpo_train.train_step.prepare_batch`: reward scaling, shaping and overlong
 filtering are GRPO's own functions; only the advantages differ (token-level, from the value
-model, instead of group-relative per sample). Also the value worker's actor and the run's
-components with it.
+model, instead of group-relative per sample). Also the value group and the run's components
+with it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ EXPLAINED_VARIANCE_EPS = 1e-8
 
 @dataclass
 class PPOComponents(Components):
-    value: Any = None  # Ray actor handle of ValueWorker
+    value: Any = None  # ValueGroup: data-parallel ValueWorkers, called like one actor
 
     @property
     def extra_workers(self) -> dict[str, Any]:
@@ -36,31 +36,32 @@ class PPOComponents(Components):
     def shutdown(self) -> None:
         super().shutdown()
         if self.value is not None:
-            ray.kill(self.value)
+            self.value.close()
 
 
 def build_ppo_components(cfg: GRPOMasterConfig, model_path: str) -> PPOComponents:
-    """GRPO's components plus the value worker (backbone: value.model_name, else the policy's)."""
+    """GRPO's components plus the value group (backbone: value.model_name, else the policy's)."""
     from dataclasses import fields
 
-    from grpo_train.ppo.value_worker import ValueWorker
+    from grpo_train.ppo.value_group import ValueGroup
     from grpo_train.setup import build_components, resolve_model_path, threads_per_actor
 
     value_path = resolve_model_path(cfg.value.model_name, "value.model_name") if cfg.value.model_name else model_path
     global_batch = cfg.value.train_global_batch_size or cfg.policy.train_global_batch_size
     # Started first so that its start-up overlaps the policy's and the generator's.
-    value = ray.remote(ValueWorker).options(num_cpus=1, num_gpus=cfg.value.num_gpus).remote(
-        value_path, cfg.value, cfg.value_loss_fn, global_batch, cfg.grpo.seed, num_threads=threads_per_actor())
+    value = ValueGroup(value_path, cfg.value, cfg.value_loss_fn, cfg.cluster, global_batch, cfg.grpo.seed,
+                       num_threads=threads_per_actor(), start=False)
     try:
         parts = build_components(cfg, model_path)
     except BaseException:
-        ray.kill(value)
+        value.close()
         raise
     try:
+        value.start()
         ray.get(value.ping.remote())
     except BaseException:
         parts.shutdown()
-        ray.kill(value)
+        value.close()
         raise
     return PPOComponents(**{f.name: getattr(parts, f.name) for f in fields(Components)}, value=value)
 

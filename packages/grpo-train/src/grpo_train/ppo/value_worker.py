@@ -1,8 +1,9 @@
 """The value model and its worker: a causal LM backbone with a scalar head, trained on [B, S] batches.
 
-Like `PolicyWorker`, a plain class run as a Ray actor (tests may drive it in-process). It reuses
-the policy's optimizer/scheduler builders and save/load conventions; it knows nothing of
-generation, environments or the policy.
+Like `PolicyWorker`, a plain class run as a Ray actor (tests may drive it in-process); N of them
+form a data-parallel `ValueGroup` (value_group.py). It reuses the policy's optimizer/scheduler
+builders, micro-batch planners (padded, dynamic, packed) and save/load conventions; it knows
+nothing of generation, environments or the policy.
 """
 
 from __future__ import annotations
@@ -14,13 +15,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from grpo_train.batch import batch_size, select_rows
+from grpo_train.batch import batch_size
 from grpo_train.config.schema import ValueConfig, ValueLossConfig
+from grpo_train.policy import microbatch
+from grpo_train.policy.logprobs import use_packed_attention
 from grpo_train.policy.optim import build_optimizer, build_scheduler
 from grpo_train.policy.worker import DTYPES, NonFiniteLossError
+from grpo_train.ppo.value_group import sum_gradients
 from grpo_train.ppo.value_loss import value_loss_fn
 
 HEAD_FILE = "value_head.safetensors"
+# A transformers-5 decoder given this mask mapping builds no mask: packed forwards pass the
+# sequence boundaries to the attention instead (as policy.logprobs does for the policy).
+SKIP_MASKS = {"full_attention": None, "sliding_attention": None}
 
 
 class ValueModel(torch.nn.Module):
@@ -37,66 +44,116 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.head.bias)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, :-1]  # [B, S-1, H]
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                               use_cache=False).last_hidden_state[:, :-1]  # [B, S-1, H]
         values = self.head(hidden).squeeze(-1).float()  # [B, S-1]
         return F.pad(values, (1, 0)) * attention_mask  # [B, S]
+
+    def forward_packed(self, packed: microbatch.PackedRows) -> torch.Tensor:
+        """The same values for a packed stream's rows: [n, longest row], 0 past each row's end."""
+        use_packed_attention(self.backbone)
+        cu = packed.cu_seqlens.to(device=packed.input_ids.device, dtype=torch.int32)
+        hidden = self.backbone(
+            input_ids=packed.input_ids[None], position_ids=packed.position_ids[None], attention_mask=SKIP_MASKS,
+            use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=packed.max_seqlen,
+            max_length_k=packed.max_seqlen,
+        ).last_hidden_state[0]  # [T, H]
+        rows = microbatch.unpack_rows(self.head(hidden).squeeze(-1).float(), packed)  # [n, L]: head(h_t) at t
+        L = rows.shape[1]
+        lengths = packed.cu_seqlens[: packed.num_rows + 1].diff().to(rows.device)  # [n]
+        inside = torch.arange(L, device=rows.device)[None, :] < lengths[:, None]  # [n, L]
+        return F.pad(rows, (1, 0))[:, :L] * inside  # [n, L]: head(h_{t-1}) at t
+
+
+def value_planner(cfg: ValueConfig, purpose: microbatch.Purpose) -> microbatch.Planner:
+    """The policy's micro-batch planners on the value section's keys: value.sequence_packing,
+    value.dynamic_batching, else value.train_micro_batch_size / value.inference_batch_size rows."""
+    field = "train_mb_tokens" if purpose == "train" else "logprob_mb_tokens"
+    packing, dynamic = cfg.sequence_packing, cfg.dynamic_batching
+    if packing.enabled:
+        return microbatch.SequencePacking(getattr(packing, field), packing.sequence_length_round,
+                                          f"value.sequence_packing.{field}", packing.algorithm)
+    if dynamic.enabled:
+        return microbatch.DynamicBatching(getattr(dynamic, field), dynamic.sequence_length_round,
+                                          f"value.dynamic_batching.{field}")
+    return microbatch.PaddedRows(cfg.train_micro_batch_size if purpose == "train" else cfg.inference_batch_size)
 
 
 class ValueWorker:
     def __init__(self, model_path: str, cfg: ValueConfig, loss_cfg: ValueLossConfig, global_batch_size: int, seed: int,
-                 num_threads: int | None = None):
+                 rank: int = 0, world_size: int = 1, num_threads: int | None = None, device: str = "cpu"):
         if num_threads:
             torch.set_num_threads(num_threads)
-        torch.manual_seed(seed)
+        torch.manual_seed(seed)  # the same on every rank: replicas start identical
         self.cfg, self.loss_cfg = cfg, loss_cfg
-        self.global_batch_size = global_batch_size  # samples per optimizer step
-        # The device comes from the config, not from what is visible: Ray leaves GPUs visible to
-        # actors that asked for none.
-        self.device = torch.device("cuda") if cfg.num_gpus > 0 else torch.device("cpu")
+        self.global_batch_size = global_batch_size  # samples per optimizer step, over all ranks
+        self.rank, self.world_size = rank, world_size
+        # The device comes from the caller (the cluster config), not from what is visible: Ray
+        # leaves GPUs visible to actors that asked for none.
+        self.device = torch.device(device)
         self.model = ValueModel(model_path, DTYPES[cfg.precision]).to(self.device)
         self.model.train()
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.scheduler)
 
+    def _microbatch_values(self, batch: dict[str, torch.Tensor], mb: microbatch.MicroBatch) -> torch.Tensor:
+        """[len(mb.rows), W] values of one micro-batch's rows (W: its width, or its longest row packed)."""
+        if mb.packed:
+            return self.model.forward_packed(microbatch.pack_rows(batch["input_ids"], mb, self.device))
+        inputs = microbatch.rows_of({k: batch[k] for k in ("input_ids", "attention_mask")}, mb.rows, mb.width, self.device)
+        return self.model(inputs["input_ids"], inputs["attention_mask"])
+
+    def _plan(self, batch: dict[str, torch.Tensor], purpose: microbatch.Purpose) -> list[microbatch.MicroBatch]:
+        """Micro-batches of this rank's rows (none for a rank that got no rows). The value model has
+        no collectives inside forward/backward, so ranks need not agree on their counts."""
+        if batch_size(batch) == 0:
+            return []
+        lengths = microbatch.row_lengths(batch["attention_mask"])
+        return value_planner(self.cfg, purpose).plan(lengths, batch["input_ids"].shape[1])
+
     @torch.no_grad()
     def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """[B, S] V(x_<t) under the current weights, in inference micro-batches."""
-        n, S = batch_size(batch), batch["input_ids"].shape[1]
-        out = torch.zeros(n, S)
-        for start in range(0, n, self.cfg.inference_batch_size):
-            rows = slice(start, min(start + self.cfg.inference_batch_size, n))
-            mb = select_rows(batch, rows)
-            v = self.model(mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device))
-            out[rows, : v.shape[1]] = v.cpu()
+        out = torch.zeros(batch_size(batch), batch["input_ids"].shape[1])
+        for mb in self._plan(batch, "logprob"):
+            v = self._microbatch_values(batch, mb)  # [rows, W]
+            out[torch.tensor(mb.rows), : v.shape[1]] = v.cpu()
         return out
 
-    def train(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Optimizer steps over `batch`, which holds `values` (at rollout time) and `returns`."""
+    def train(self, batch: dict[str, torch.Tensor], global_valid_tokens: list[float] | None = None,
+              global_valid_seqs: list[float] | None = None) -> dict[str, float]:
+        """Optimizer steps over `batch`, which holds `values` (at rollout time) and `returns`.
+
+        The global counts are per optimizer step over all data-parallel ranks (this rank holds
+        global_batch_size / world_size rows of each step); computed locally for one worker.
+        """
         n = batch_size(batch)
-        num_steps = max(1, n // self.global_batch_size)
+        per_step = max(1, self.global_batch_size // self.world_size)
+        num_steps = max(1, n // per_step)
         metrics: dict[str, float] = {}
         for k in range(num_steps):
-            rows = slice(k * self.global_batch_size, min((k + 1) * self.global_batch_size, n))
-            step_batch = {key: v[rows] for key, v in batch.items()}
-            for key, value in self._optimizer_step(step_batch).items():
+            step_batch = {key: v[k * per_step: min((k + 1) * per_step, n)] for key, v in batch.items()}
+            valid = step_batch["token_mask"] * step_batch["sample_mask"].unsqueeze(1)
+            tokens = global_valid_tokens[k] if global_valid_tokens else float(valid.sum())
+            seqs = global_valid_seqs[k] if global_valid_seqs else float(step_batch["sample_mask"].sum())
+            for key, value in self._optimizer_step(step_batch, max(tokens, 1.0), max(seqs, 1.0)).items():
                 metrics[key] = metrics.get(key, 0.0) + value / num_steps
         return metrics
 
-    def _optimizer_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
-        valid = batch["token_mask"] * batch["sample_mask"].unsqueeze(1)
-        tokens, seqs = max(float(valid.sum()), 1.0), max(float(batch["sample_mask"].sum()), 1.0)
+    def _optimizer_step(self, batch: dict[str, torch.Tensor], tokens: float, seqs: float) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
-        sums: dict[str, float] = {}
-        n, mb_size = batch_size(batch), self.cfg.train_micro_batch_size
-        for start in range(0, n, mb_size):
-            mb = {k: v.to(self.device) for k, v in select_rows(batch, slice(start, min(start + mb_size, n))).items()}
-            values = self.model(mb["input_ids"], mb["attention_mask"])
-            loss, m = value_loss_fn(values, mb["values"], mb["returns"], mb["token_mask"], mb["sample_mask"],
+        sums: dict[str, float] = {"value_loss": 0.0}
+        for mb in self._plan(batch, "train"):
+            values = self._microbatch_values(batch, mb)  # [rows, W]
+            x = microbatch.rows_of(batch, mb.rows, values.shape[1], self.device)
+            loss, m = value_loss_fn(values, x["values"], x["returns"], x["token_mask"], x["sample_mask"],
                                     self.loss_cfg, tokens, seqs)
             loss.backward()
             for key, value in {"value_loss": loss.detach(), **m}.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
+        if self.world_size > 1:
+            sum_gradients(self.model.parameters())
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
         if not (math.isfinite(sums["value_loss"]) and math.isfinite(grad_norm)):
@@ -109,6 +166,7 @@ class ValueWorker:
 
     # ------------------------------------------------------------------- weights and state
     def save(self, folder: str) -> None:
+        """Weights (HF backbone + head safetensors), optimizer, scheduler, RNG. One rank saves."""
         from safetensors.torch import save_file
 
         from grpo_train.checkpoint import atomic_torch_save
@@ -121,6 +179,7 @@ class ValueWorker:
         atomic_torch_save(torch.get_rng_state(), folder / "torch_rng.pt")
 
     def load(self, folder: str) -> None:
+        """What `save` wrote; every rank loads the same files."""
         from safetensors.torch import load_file
 
         folder = Path(folder)
@@ -134,5 +193,34 @@ class ValueWorker:
         self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
         torch.set_rng_state(torch.load(folder / "torch_rng.pt"))
 
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Every parameter by name, on CPU."""
+        return {name: p.detach().to("cpu").clone() for name, p in self.model.named_parameters()}
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """The last optimizer step's (summed) gradients by parameter name, on CPU."""
+        return {name: p.grad.detach().to("cpu").clone() for name, p in self.model.named_parameters() if p.grad is not None}
+
     def ping(self) -> int:
         return os.getpid()
+
+    # ------------------------------------------------------------------ data parallelism
+    def free_address(self) -> tuple[str, int]:
+        from grpo_train.weight_transport import free_address
+
+        return free_address()
+
+    def whereabouts(self) -> dict[str, object]:
+        import ray
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(), "rank": self.rank}
+
+    def init_distributed(self, master_addr: str, port: int) -> None:
+        """Join the value ranks' group (NCCL on CUDA, gloo on CPU); every rank calls it at once."""
+        import torch.distributed as dist
+
+        if self.world_size == 1:
+            return
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{port}", rank=self.rank,
+                                world_size=self.world_size)

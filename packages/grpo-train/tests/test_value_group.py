@@ -1,0 +1,140 @@
+"""Data-parallel value workers (real Ray actors, gloo on CPU) against one value worker.
+
+The oracle is the single worker on the same global batch: with the value loss divided by the
+global valid-token count and gradients summed across ranks, two ranks must give the same values,
+loss, gradients and updated weights (fp32, 1e-6 relative). A checkpoint written by rank 0 is
+loaded by every rank (and by a single worker) and resumes bitwise. Config refusals need no Ray."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+
+from grpo_train.config import ConfigError, validate_config_dict
+from grpo_train.config.schema import ClusterConfig, ValueConfig, ValueLossConfig
+from grpo_train.ppo.value_group import ValueGroup, combine_rank_metrics, shard_steps
+from grpo_train.ppo.value_worker import HEAD_FILE, ValueWorker
+
+torch.set_num_threads(1)
+RTOL = 1e-6
+GLOBAL_BATCH = 8
+LOSS = ValueLossConfig(value_clip=0.5)
+
+
+def value_cfg(num_workers: int) -> ValueConfig:
+    return ValueConfig(num_workers=num_workers, train_micro_batch_size=2, inference_batch_size=3, max_grad_norm=1.0,
+                       optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.5}})
+
+
+def make_batch(seed: int = 0, B: int = 16) -> dict[str, torch.Tensor]:
+    """Two optimizer steps of 8 rows with ragged lengths and one masked sample."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(5, 14, (B,), generator=g)
+    S = int(lengths.max())
+    attention_mask = (torch.arange(S)[None, :] < lengths[:, None]).long()
+    token_mask = attention_mask.float().clone()
+    token_mask[:, :3] = 0
+    sample_mask = torch.ones(B)
+    sample_mask[5] = 0
+    return {"input_ids": torch.randint(3, 64, (B, S), generator=g) * attention_mask, "attention_mask": attention_mask,
+            "token_mask": token_mask, "sample_mask": sample_mask, "returns": torch.randn(B, S, generator=g) * token_mask,
+            "values": 0.3 * torch.randn(B, S, generator=g) * token_mask}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+@pytest.fixture(scope="module")
+def group(ray_session, tiny_qwen2_dir):
+    g = ValueGroup(tiny_qwen2_dir, value_cfg(2), LOSS, ClusterConfig(), GLOBAL_BATCH, seed=0, num_threads=1)
+    yield g
+    g.close()
+
+
+def test_two_value_ranks_match_one_worker(group, tiny_qwen2_dir):
+    """Two steps (the zero head first learns, then gradients reach the backbone): the second
+    step's gradients, both steps' mean metrics, the weights and the new values agree."""
+    single = ValueWorker(tiny_qwen2_dir, value_cfg(1), LOSS, GLOBAL_BATCH, seed=0)
+    batch = make_batch()
+    m1, m2 = single.train(batch), ray.get(group.train.remote(batch))
+    for key in ("value_loss", "value_mse", "value_clip_fraction", "value_grad_norm", "value_lr"):
+        assert abs(m2[key] - m1[key]) <= RTOL * max(abs(m1[key]), 1e-12), (key, m1[key], m2[key])
+    g1, g2 = single.gradients(), ray.get(group.gradients.remote())
+    assert g1.keys() == g2.keys() and float(g1["backbone.embed_tokens.weight"].norm()) > 0
+    for name in g1:
+        assert rel_err(g2[name], g1[name]) <= RTOL, name
+    w1, w2 = single.weights(), ray.get(group.weights.remote())
+    for name in w1:
+        assert rel_err(w2[name], w1[name]) <= RTOL, name
+    values = ray.get(group.values.remote(batch))
+    assert values.abs().max() > 0
+    torch.testing.assert_close(values, single.values(batch), rtol=0, atol=1e-6)
+    ranks = ray.get(group.whereabouts.remote())
+    assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["pid"] != ranks[1]["pid"]
+
+
+def test_checkpoint_from_rank_0_resumes_every_rank_bitwise(group, tiny_qwen2_dir, tmp_path):
+    """Save, step, load, step again: the same metrics and weights to the bit on both ranks; the
+    folder is the single worker's format (a single worker loads it to the same weights)."""
+    folder = str(tmp_path / "value")
+    ray.get(group.save.remote(folder))
+    assert (tmp_path / "value" / "model" / HEAD_FILE).is_file() and (tmp_path / "value" / "optimizer.pt").is_file()
+    saved = ray.get(group.weights.remote())
+    batch = make_batch(seed=1)
+    first = ray.get(group.train.remote(batch)), ray.get([w.weights.remote() for w in group.workers])
+    ray.get(group.load.remote(folder))
+    for rank_weights in ray.get([w.weights.remote() for w in group.workers]):
+        assert all(rank_weights[k].equal(saved[k]) for k in saved)
+    again = ray.get(group.train.remote(batch)), ray.get([w.weights.remote() for w in group.workers])
+    assert again[0] == first[0]
+    for before, after in zip(first[1], again[1]):
+        assert all(after[k].equal(before[k]) for k in before)
+    assert all(again[1][1][k].equal(again[1][0][k]) for k in saved)  # the replicas stayed identical
+    single = ValueWorker(tiny_qwen2_dir, value_cfg(1), LOSS, GLOBAL_BATCH, seed=0)
+    single.load(folder)
+    assert all(single.weights()[k].equal(saved[k]) for k in saved)
+
+
+def test_steps_split_evenly_and_metrics_add_up():
+    batch = make_batch()
+    shards, tokens, seqs = shard_steps(batch, GLOBAL_BATCH, 2)
+    assert [int(s["input_ids"].shape[0]) for s in shards] == [8, 8]
+    assert torch.equal(shards[0]["input_ids"], torch.cat([batch["input_ids"][0:4], batch["input_ids"][8:12]]))
+    assert seqs == [7.0, 8.0] and sum(tokens) == float((batch["token_mask"] * batch["sample_mask"][:, None]).sum())
+    combined = combine_rank_metrics([{"value_loss": 0.25, "value_lr": 0.1}, {"value_loss": 0.5, "value_lr": 0.1}],
+                                    shared=("value_lr",))
+    assert combined == {"value_loss": 0.75, "value_lr": 0.1}
+
+
+def ppo_config(**sections) -> dict:
+    base = {"grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 2},
+            "policy": {"train_global_batch_size": 4, "train_micro_batch_size": 2}, "ppo": {}}
+    return base | sections
+
+
+GPU_CLUSTER = {"gpus_per_node": 2, "num_nodes": 1}
+SEPARATE_GENERATION = {"colocated": {"enabled": False, "resources": {"gpus_per_node": 1, "num_nodes": 1}}}
+
+
+@pytest.mark.parametrize(("sections", "words"), [
+    ({"cluster": GPU_CLUSTER, "value": {"num_workers": 2}}, ("value.num_workers (2)", "cluster.gpus_per_node")),
+    ({"cluster": GPU_CLUSTER, "policy": {"train_global_batch_size": 4, "train_micro_batch_size": 2,
+                                         "generation": SEPARATE_GENERATION}},
+     ("policy.generation.colocated.resources GPUs (1)", "= 3 GPUs")),
+    ({"value": {"num_workers": 3}}, ("value.train_global_batch_size (4)", "value.num_workers (3)")),
+    ({"value": {"num_gpus": 1}}, ("value.num_gpus was replaced by value.num_workers",)),
+    ({"value": {"sequence_packing": {"enabled": True}, "dynamic_batching": {"enabled": True}}},
+     ("value.dynamic_batching and value.sequence_packing",)),
+], ids=["value-ranks-over-gpus", "separate-generation-over-gpus", "uneven-split", "num-gpus", "two-planners"])
+def test_config_refuses_value_ranks_that_cannot_run(sections, words):
+    with pytest.raises(ConfigError) as info:
+        validate_config_dict(ppo_config(**sections))
+    assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_config_accepts_value_ranks_that_fit():
+    cfg = validate_config_dict(ppo_config(cluster=GPU_CLUSTER, value={"num_workers": 1}))
+    assert cfg.value.num_workers == 1
+    assert validate_config_dict(ppo_config(value={"num_workers": 4})).value.num_workers == 4  # CPU: logical bundles
