@@ -62,12 +62,15 @@ def buffer_records(checkpoint: Path) -> list[dict]:
 def test_zero_age_async_reproduces_the_sync_loop(tmp_path):
     """max_trajectory_age_steps 0: the batch of step t comes from weights t-1, as in the sync loop,
     with the same per-step seeds and the whole batch submitted at once, so every metric matches
-    exactly (the async engine samples what the offline engine samples)."""
+    exactly (the async engine samples what the offline engine samples). The async run pushes its
+    weights over the collective transport (buckets broadcast into the engine's worker), the sync
+    run over the object store: the refit check and every later step match all the same."""
     common = [*SHORT, "grpo.max_num_steps=3", "grpo.val_period=0", "grpo.val_at_end=false",
               "checkpointing.enabled=false", "loss_fn.use_importance_sampling_correction=true"]
     sync = start_grpo("--run-dir", str(tmp_path / "sync"), *common, cwd=tmp_path)
     run = start_grpo(*ASYNC, "--run-dir", str(tmp_path / "async"), *common,
-                     "grpo.async_grpo.max_trajectory_age_steps=0", cwd=tmp_path)
+                     "grpo.async_grpo.max_trajectory_age_steps=0", "policy.generation.weight_transport=collective",
+                     "policy.generation.refit_buffer_size_gb=0.0005", cwd=tmp_path)
     finish(sync)
     finish(run)
     rows_sync = metrics(tmp_path / "sync")

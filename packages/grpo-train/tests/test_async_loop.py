@@ -1,5 +1,6 @@
 """The async pipeline's parts on real Ray and vLLM's async engine (CPU build): the collector's
-timing rule, weight pushes into the async engine (waiting and in flight), the loop's metrics.
+timing rule, weight pushes into the async engine (waiting and in flight, over the object store
+and the collective transport), the loop's metrics.
 
 End-to-end async runs (sync equivalence, kill and resume) are in the root tests/test_e2e_async.py.
 """
@@ -78,12 +79,18 @@ def wait_until(predicate, timeout: float = 120.0) -> None:
 
 
 def test_collector_stays_within_the_age_bound_and_pushes_wait_for_older_batches(ray_session, cfg, model_path, engine):
-    from grpo_train.collector import make_collector_actor
+    from transformers import AutoTokenizer
+
+    from grpo_train.collector import SharedParts, make_collector_actor
     from grpo_train.replay_buffer import make_replay_buffer_actor
+    from grpo_train.setup import build_datasets, build_envs
 
     ray = ray_session
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    envs = build_envs(cfg)  # the driver's pools: the collector calls their actors
+    shared = SharedParts(tokenizer, build_datasets(cfg, tokenizer)[0], envs)
     buffer = make_replay_buffer_actor(max_age=1)
-    collector = make_collector_actor(cfg, model_path, engine, buffer, STEPS, next_target=1, version=0,
+    collector = make_collector_actor(cfg, shared, engine, buffer, STEPS, next_target=1, version=0,
                                      dataloader_state=None)
     try:
         ray.get(collector.start.remote())
@@ -96,7 +103,8 @@ def test_collector_stays_within_the_age_bound_and_pushes_wait_for_older_batches(
             taken = ray.get(buffer.take.remote(version, version - 1, PROMPTS))
             assert taken.stale == [] and [len(g.rollouts) for g in taken.fresh] == [SAMPLES] * PROMPTS
             ray.get(collector.hold.remote(version))
-            ray.get(collector.push_weights.remote([ray.put(weights)], version))
+            ray.get(engine.update_weights.remote(weights, version))
+            ray.get(collector.weights_loaded.remote(version))
             ray.get(collector.release.remote())
         wait_until(lambda: ray.get(buffer.count.remote(4)) == PROMPTS)
         entries: list[GroupEntry] = ray.get(buffer.state_dict.remote())["entries"]
@@ -108,6 +116,8 @@ def test_collector_stays_within_the_age_bound_and_pushes_wait_for_older_batches(
         ray.get(collector.shutdown.remote())
         ray.kill(collector)
         ray.kill(buffer)
+        for pool in envs.values():
+            pool.shutdown()
 
 
 def test_in_flight_weight_push_lands_while_a_batch_decodes(ray_session, model_path, engine):
@@ -129,6 +139,68 @@ def test_in_flight_weight_push_lands_while_a_batch_decodes(ray_session, model_pa
         logits = model(torch.tensor(sequences)).logits[0].float()
     expected = torch.log_softmax(logits, -1)[3:7].gather(-1, torch.tensor([[7], [8], [9], [10]]))[:, 0]
     assert torch.allclose(torch.tensor(scored), expected, atol=1e-4)
+
+
+def test_collective_push_into_the_async_engine_equals_the_object_store_push(ray_session, model_path, engine, tmp_path):
+    """A real policy worker holding other weights broadcasts them in buckets over gloo into the
+    async engine's worker, around the same pause as an object-store push. Before the push the
+    engine's scores differ from the trainer's; after it, its samples and scores equal bitwise
+    those after an object-store push of the same weights, and the trainer's scores to 1e-5. A
+    push in flight (requests frozen mid-decode) lands too."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo_train.config.schema import ClusterConfig, LossConfig, PolicyConfig
+    from grpo_train.generation.base import SamplingSpec
+    from grpo_train.policy.group import PolicyGroup
+    from grpo_train.weight_sync import check_refit, state_dict_for_refit
+    from grpo_train.weight_transport import make_transport
+
+    ray = ray_session
+    weights, model = perturbed_weights(model_path, seed=3)
+    model.save_pretrained(tmp_path / "trainer")  # the trainer starts from the perturbed weights
+    policy = PolicyGroup(str(tmp_path / "trainer"), PolicyConfig(precision="float32", train_global_batch_size=4,
+                         train_micro_batch_size=4), LossConfig(reference_policy_kl_penalty=0.0), ClusterConfig(), seed=0)
+    probe, probe_lens = [[3, 4, 5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 9, 10, 11, 12]], [4, 4]
+
+    def sample() -> tuple[list, list]:
+        ray.get(engine.reseed.remote(11))
+        out = ray.get(engine.generate.remote([[3, 4, 5, 6], [4, 5, 6]], SamplingSpec(max_new_tokens=8, n=4)))
+        return [(r.response_ids, r.response_logprobs) for r in out], ray.get(engine.score.remote(probe, probe_lens))
+
+    try:
+        ray.get(engine.update_weights.remote(state_dict_for_refit(AutoModelForCausalLM.from_pretrained(model_path)), 20))
+        _, scores_before = sample()
+        transport = make_transport("collective", 16 / (1 << 20))  # 16 KiB buckets: hundreds per push
+        transport.connect(policy, [engine])
+        transport.push(policy, [engine], 21, in_flight=False, reset_running_kv=False)
+        assert ray.get(engine.weight_version.remote()) == 21
+        over_collective = sample()
+        ray.get(engine.update_weights.remote(weights, 22))
+        assert sample() == over_collective  # object store, same weights: bitwise the same
+        trainer_scores = ray.get(policy.score.remote(probe, probe_lens))
+        assert check_refit(trainer_scores, scores_before, float("inf")) > 1e-2
+        assert check_refit(trainer_scores, over_collective[1], float("inf")) <= 1e-5
+
+        running = engine.generate.remote([[3, 4, 5, 6]] * 8, SamplingSpec(max_new_tokens=24, n=16))
+        wait_until(lambda: ray.get(engine.num_running.remote()) > 0)
+        transport.push(policy, [engine], 23, in_flight=True, reset_running_kv=True)
+        assert ray.get(engine.weight_version.remote()) == 23
+        assert len(ray.get(running)) == 8 * 16
+    finally:
+        policy.close()
+
+
+def test_async_config_refuses_the_ipc_transport_naming_the_key(cfg):
+    from pydantic import ValidationError
+
+    from grpo_train.config.schema import GRPOMasterConfig
+
+    raw = cfg.model_dump()
+    raw["policy"]["generation"]["weight_transport"] = "collective"
+    assert GRPOMasterConfig.model_validate(raw).policy.generation.weight_transport == "collective"
+    raw["policy"]["generation"]["weight_transport"] = "ipc"
+    with pytest.raises(ValidationError, match="policy.generation.weight_transport 'ipc'"):
+        GRPOMasterConfig.model_validate(raw)
 
 
 def test_pipeline_metrics():

@@ -3,9 +3,9 @@
 A trajectory collector (`collector.py`) generates prompt groups ahead of training into a replay
 buffer (`replay_buffer.py`); this loop trains on them. One step: take the groups targeted at
 this step (waiting if generation is behind) -> advantages -> prev/ref logprobs -> train -> push
-weights through the collector (+ refit check) -> log -> validate -> checkpoint. Every phase is
-the sync loop's component; what differs is where the groups come from and how old their
-weights are: step s trains at weight version s - 1 on groups generated at versions >= s - 1 -
+weights over the run's transport (object_store or collective) and tell the collector (+ refit
+check) -> log -> validate -> checkpoint. Every phase is the sync loop's component; what differs
+is where the groups come from and how old their weights are: step s trains at weight version s - 1 on groups generated at versions >= s - 1 -
 max_trajectory_age_steps, and the loss's importance-sampling correction accounts for the gap.
 
 Metrics of the pipeline (`async/`): trajectory age mean/max, buffer size after the take,
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import ray
 
-from grpo_train.collector import make_collector_actor
+from grpo_train.collector import SharedParts, make_collector_actor
 from grpo_train.config.schema import GRPOMasterConfig
 from grpo_train.replay_buffer import GroupEntry, make_replay_buffer_actor
 from grpo_train.run_state import TrainerState, save_checkpoint
@@ -58,7 +58,7 @@ def train_async(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Traine
                 state.weight_version += 1
                 held = not in_flight  # the push waits for older batches, then holds the next one
                 push_wait = ray.get(collector.hold.remote(state.weight_version)) if held else 0.0
-                ray.get(collector.push_weights.remote([parts.policy.weights.remote()], state.weight_version))
+                push_weights(cfg, parts, collector, state.weight_version)
             refit = cfg.grpo.refit_check
             if refit.enabled and state.weight_version % refit.period == 0:
                 with timer("refit_check"):
@@ -94,9 +94,9 @@ def make_collector(cfg: GRPOMasterConfig, parts, checkpoints, state: TrainerStat
     """The replay buffer and collector actors (not yet generating), restored from the latest
     checkpoint on resume.
 
-    The collector's dataloader starts at the driver's position (`dataloader.pt` of an async
-    checkpoint holds the collector's); a sync checkpoint has no buffer, so generation restarts
-    at the next step.
+    The collector draws from the driver's datasets with its own dataloader, started at the
+    driver's position (`dataloader.pt` of an async checkpoint holds the collector's); a sync
+    checkpoint has no buffer, so generation restarts at the next step.
     """
     import torch
 
@@ -106,9 +106,19 @@ def make_collector(cfg: GRPOMasterConfig, parts, checkpoints, state: TrainerStat
     if folder is not None and (Path(folder) / f"{COLLECTOR_FILE}.pt").is_file():
         ray.get(buffer.load_state_dict.remote(torch.load(Path(folder) / f"{BUFFER_FILE}.pt", weights_only=False)))
         next_target = torch.load(Path(folder) / f"{COLLECTOR_FILE}.pt", weights_only=False)["next_target"]
-    collector = make_collector_actor(cfg, parts.model_path, parts.generator, buffer, last, next_target,
+    shared = SharedParts(parts.tokenizer, parts.train_sets, parts.envs)
+    collector = make_collector_actor(cfg, shared, parts.generator, buffer, last, next_target,
                                      state.weight_version, parts.train_data.state_dict())
     return buffer, collector
+
+
+def push_weights(cfg: GRPOMasterConfig, parts, collector, version: int) -> None:
+    """The trained weights into the engine over the run's weight transport (attached in setup),
+    with the async engine's pause options; then the collector may generate with them."""
+    flags = cfg.grpo.async_grpo
+    parts.policy.transport.push(parts.policy, parts.policy.generators, version, in_flight=flags.in_flight_weight_updates,
+                                reset_running_kv=flags.recompute_kv_cache_after_weight_updates)
+    ray.get(collector.weights_loaded.remote(version))
 
 
 def take_groups(cfg: GRPOMasterConfig, buffer, collector, step: int, version: int) -> list[GroupEntry]:

@@ -3,9 +3,12 @@
 Job: draw the next step's prompts from its own dataloader, run the shared rollout
 (`rollout_batch`: generate with the async vLLM engine, score in the environments) and push the
 groups into the replay buffer, tagged with the weight version that generated them and the step
-meant to consume them; stop when it is `max_trajectory_age_steps` ahead of the weights; take
-weight pushes. Boundary: no training, no advantages; runs as an async Ray actor whose
-production loop is a background task, so a weight push or a hold arrives while a batch decodes.
+meant to consume them; stop when it is `max_trajectory_age_steps` ahead of the weights.
+Boundary: no training, no advantages, no weights (the loop pushes them over the run's weight
+transport straight into the engine and then tells the collector, `weights_loaded`); the
+datasets, tokenizer and environment actors are the driver's (`SharedParts`), only the
+dataloader's position is the collector's own. Runs as an async Ray actor whose production loop
+is a background task, so a hold or a version change arrives while a batch decodes.
 
 Timing rule. The batch for step t needs weight version >= t - 1 - max_age. Without in-flight
 weight updates a push of version v also waits until the batch for step v + max_age has been
@@ -25,7 +28,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Any
 
 import ray
 
@@ -35,27 +40,32 @@ from grpo_train.replay_buffer import GroupEntry
 from grpo_train.sync_loop import record_rewards, sampling_spec, step_seed
 
 
+@dataclass(frozen=True)
+class SharedParts:
+    """What the driver has already built and hands to the collector: Ray pickles the datasets
+    and the tokenizer across, and the environment pools travel as actor handles (the driver
+    owns those actors and shuts them down; the collector only calls them)."""
+
+    tokenizer: Any
+    train_sets: list  # the training datasets the driver's dataloader draws from
+    envs: dict  # env name -> EnvPool
+
+
 class TrajectoryCollector:
     """See the module docstring. Starts at step `next_target` with the generator at weight
-    version `version` and its dataloader at `dataloader_state` (None: the beginning)."""
+    version `version` and its own dataloader, over the driver's datasets, at `dataloader_state`
+    (None: the beginning)."""
 
-    def __init__(self, cfg, model_path: str, generator, buffer, last_step: int, next_target: int,
+    def __init__(self, cfg, shared: SharedParts, generator, buffer, last_step: int, next_target: int,
                  version: int, dataloader_state: dict | None) -> None:
-        from transformers import AutoTokenizer
-
-        from grpo_train.setup import build_datasets, build_envs, build_train_iterator, resolve_model_path
+        from grpo_train.setup import build_train_iterator
 
         self.cfg = cfg
-        self.async_cfg = cfg.grpo.async_grpo
-        self.max_age = self.async_cfg.max_trajectory_age_steps
-        tokenizer_name = cfg.policy.tokenizer.name
-        tokenizer = AutoTokenizer.from_pretrained(
-            resolve_model_path(tokenizer_name, "policy.tokenizer.name") if tokenizer_name else model_path)
-        train_sets, _ = build_datasets(cfg, tokenizer)
-        self.train_data = build_train_iterator(cfg, train_sets)
+        self.max_age = cfg.grpo.async_grpo.max_trajectory_age_steps
+        self.train_data = build_train_iterator(cfg, shared.train_sets)
         if dataloader_state is not None:
             self.train_data.load_state_dict(dataloader_state)
-        self.parts = SimpleNamespace(generator=generator, envs=build_envs(cfg), tokenizer=tokenizer)
+        self.parts = SimpleNamespace(generator=generator, envs=shared.envs, tokenizer=shared.tokenizer)
         self.buffer = buffer
         self.sampling = sampling_spec(cfg)
         self.last_step = last_step
@@ -111,15 +121,11 @@ class TrajectoryCollector:
 
     # -- calls from the training loop -----------------------------------------------------------
 
-    async def push_weights(self, weights_ref: list, version: int) -> float:
-        """Load version `version` (`weights_ref` is [ObjectRef of the HF-named tensors]) into the
-        generator. Without in-flight updates the caller holds the collector (`hold`)."""
-        seconds = await self.parts.generator.update_weights.remote(
-            weights_ref[0], version, self.async_cfg.in_flight_weight_updates,
-            self.async_cfg.recompute_kv_cache_after_weight_updates)
+    async def weights_loaded(self, version: int) -> None:
+        """The generator now runs version `version` (the loop pushed it over the run's weight
+        transport; without in-flight updates it held the collector meanwhile, see `hold`)."""
         self.version = version
         await self._notify()
-        return seconds
 
     async def hold(self, until_version: int | None = None) -> float:
         """Wait until the batches that `until_version`'s push must not overtake are generated
@@ -164,10 +170,9 @@ class TrajectoryCollector:
         return self._task is not None and self._task.done()
 
     async def shutdown(self) -> None:
+        """Stop generating (the environments are the driver's: it shuts them down)."""
         if self._task is not None:
             self._task.cancel()
-        for pool in self.parts.envs.values():
-            pool.shutdown()
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -180,8 +185,8 @@ class TrajectoryCollector:
             self._changed.notify_all()
 
 
-def make_collector_actor(cfg, model_path: str, generator, buffer, last_step: int, next_target: int,
+def make_collector_actor(cfg, shared: SharedParts, generator, buffer, last_step: int, next_target: int,
                          version: int, dataloader_state: dict | None):
     """Start a `TrajectoryCollector` as an async Ray actor (concurrent calls: push, hold, stats)."""
     return ray.remote(num_cpus=0, max_concurrency=16)(TrajectoryCollector).remote(
-        cfg, model_path, generator, buffer, last_step, next_target, version, dataloader_state)
+        cfg, shared, generator, buffer, last_step, next_target, version, dataloader_state)

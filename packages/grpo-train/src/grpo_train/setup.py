@@ -163,6 +163,7 @@ class Components:
     envs: dict  # env name -> EnvPool
     policy: Any  # PolicyGroup: data-parallel PolicyWorkers, called like one actor
     generator: Any  # Ray actor handle of a Generator, or a GeneratorGroup of several engines
+    train_sets: list | None = None  # the datasets train_data draws from (the async collector draws from them too)
 
     def shutdown(self) -> None:
         import ray
@@ -181,7 +182,7 @@ class Components:
 
 
 def build_envs(cfg: GRPOMasterConfig) -> dict:
-    """env name -> EnvPool of Ray actors (the async collector builds its own with this too)."""
+    """env name -> EnvPool of Ray actors (the async collector calls the same actors)."""
     from grpo_envs.pool import EnvPool
 
     return {name: EnvPool(name, env_cfg.model_dump(exclude={"num_workers"}), num_workers=env_cfg.num_workers)
@@ -189,15 +190,13 @@ def build_envs(cfg: GRPOMasterConfig) -> dict:
 
 
 def attach_generators(cfg: GRPOMasterConfig, policy, generator) -> None:
-    """Wait for the policy ranks and connect the weight transport to the engines (the async
-    loop pushes through its collector, over the object store)."""
+    """Wait for the policy ranks and connect the weight transport to the engines (the sync and
+    async loops push over it alike)."""
     from grpo_train.generation.group import engines_of
     from grpo_train.weight_transport import choose_transport, make_transport
 
     gen_cfg = cfg.policy.generation
     name = choose_transport(gen_cfg.weight_transport, gen_cfg.colocated.enabled, cfg.cluster.gpus_per_node > 0)
-    if cfg.grpo.async_grpo.enabled:
-        name = "object_store"
     try:
         policy.attach(make_transport(name, gen_cfg.refit_buffer_size_gb), engines_of(generator))
     except (ValueError, NotImplementedError) as exc:
@@ -245,4 +244,4 @@ def build_components(cfg: GRPOMasterConfig, model_path: str) -> Components:
                                    separate_gpus=(resources.gpus_per_node or 0) * (resources.num_nodes or 1), **gen_kwargs)
         generator = engines[0] if len(engines) == 1 else GeneratorGroup(engines)
     attach_generators(cfg, policy, generator)
-    return Components(model_path, tokenizer, train_data, val_datums, envs, policy, generator)
+    return Components(model_path, tokenizer, train_data, val_datums, envs, policy, generator, train_sets)

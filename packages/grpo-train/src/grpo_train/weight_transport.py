@@ -15,6 +15,9 @@ process group. The receiving end of each transport lives in the vLLM worker exte
   - `ipc`: colocated on GPUs, each vLLM worker opens CUDA IPC handles to the trainer's tensors on
     the same device (`grpo_load_ipc_weights`); GPU-only.
 
+`push(..., **options)` hands `options` to every engine's receiving call: the async engine
+(`generation.async_vllm`) takes `in_flight` and `reset_running_kv` there, the offline one none.
+
 Boundary: no vLLM import; Ray only inside `connect`/`push`. The group's process group is
 built from a TCPStore directly, never as torch.distributed's default group, because both the
 trainer (data parallelism) and vLLM (its own workers) already own theirs.
@@ -54,6 +57,17 @@ class TensorMeta:
         import torch
 
         return self.numel * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+    def to_row(self) -> list:
+        """Plain [name, shape, dtype]: what crosses vLLM's msgpack RPC into an engine process."""
+        return [self.name, list(self.shape), self.dtype]
+
+    @classmethod
+    def from_row(cls, row: TensorMeta | list | tuple) -> TensorMeta:
+        if isinstance(row, TensorMeta):
+            return row
+        name, shape, dtype = row
+        return cls(str(name), tuple(int(d) for d in shape), str(dtype))
 
 
 def tensor_metadata(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[TensorMeta]:
@@ -149,11 +163,11 @@ class ObjectStoreTransport:
     def connect(self, policy, generators: list) -> None:
         return None
 
-    def push(self, policy, generators: list, version: int) -> None:
+    def push(self, policy, generators: list, version: int, **options) -> None:
         import ray
 
         ref = policy.weights.remote()
-        ray.get([g.update_weights.remote(ref, version) for g in generators])
+        ray.get([g.update_weights.remote(ref, version, **options) for g in generators])
 
 
 class CollectiveTransport:
@@ -180,11 +194,11 @@ class CollectiveTransport:
             offset += size
         ray.get(calls)
 
-    def push(self, policy, generators: list, version: int) -> None:
+    def push(self, policy, generators: list, version: int, **options) -> None:
         import ray
 
         ray.get([policy.send_weights.remote(self.bucket_bytes),
-                 *[g.receive_weights.remote(version) for g in generators]])
+                 *[g.receive_weights.remote(version, **options) for g in generators]])
 
 
 class IpcTransport:
@@ -202,11 +216,11 @@ class IpcTransport:
         if not torch.cuda.is_available():
             raise RuntimeError("policy.generation.weight_transport: 'ipc' needs GPUs; use 'object_store' or 'collective' on CPU")
 
-    def push(self, policy, generators: list, version: int) -> None:
+    def push(self, policy, generators: list, version: int, **options) -> None:
         import ray
 
         handles = policy.ipc_handles.remote()
-        ray.get([g.update_weights_ipc.remote(handles, version) for g in generators])
+        ray.get([g.update_weights_ipc.remote(handles, version, **options) for g in generators])
 
 
 TRANSPORTS: dict[str, type] = {cls.name: cls for cls in (ObjectStoreTransport, CollectiveTransport, IpcTransport)}

@@ -564,6 +564,10 @@ class GRPOMasterConfig(Section):
             if self.policy.generation.backend != "vllm":
                 raise ValueError(f"grpo.async_grpo needs policy.generation.backend: vllm (its async engine generates "
                                  f"ahead of training), got {self.policy.generation.backend!r}")
+            if self.policy.generation.weight_transport == "ipc":
+                raise ValueError("grpo.async_grpo: policy.generation.weight_transport 'ipc' needs engines colocated on "
+                                 "the trainer's GPUs, which async GRPO does not run; use 'collective', 'object_store' "
+                                 "or 'auto'")
         return self
 
     def _check_ppo(self) -> None:

@@ -4,10 +4,13 @@ Job: the same protocol as `VllmGenerator` (generate, update_weights, score, rese
 weight_version, shutdown), served by an async Ray actor so that a weight push, a pause and a
 score can arrive while a batch is still decoding. Boundary: no scheduling policy (what to
 generate and when is the collector's job), no training; weights are loaded by the same worker
-extension as the offline engine (`vllm_worker_ext.grpo_load_weights`).
+extension as the offline engine (`vllm_worker_ext`).
 
 `AsyncLLM` always runs its engine core in a child process, so weight tensors cannot travel as
-RPC arguments: they go as safetensors bytes (`serialize_weights`).
+RPC arguments: over the `object_store` transport they go as safetensors bytes
+(`serialize_weights`); over `collective` the engine's worker joins the trainer's process group
+and receives buckets itself (`grpo_open_weight_group` / `grpo_receive_weights`, the offline
+engine's receivers), so only the call crosses the RPC.
 
 Determinism. Sampling draws from the engine's random streams, so what a request samples depends
 on which other requests share its batches. `generate` pauses the scheduler, adds all of a
@@ -15,11 +18,11 @@ batch's requests and only then resumes it: the first scheduled step sees the who
 `LLM.generate` does, and a reseeded engine with the same weights and prompts samples exactly
 what the offline engine samples.
 
-Weight pushes (`update_weights`): the scheduler is paused — after the running requests finish
-(`in_flight=False`), or with them frozen mid-sequence (`in_flight=True`, they then continue
-under the new weights) — the weights are loaded, the prefix cache is reset (and with
-`reset_running_kv`, the KV of frozen requests too, so they recompute it under the new weights),
-and the scheduler resumes. vLLM resets the prefix cache only when no request holds KV blocks,
+Weight pushes (`update_weights`, `receive_weights`): the scheduler is paused — after the
+running requests finish (`in_flight=False`), or with them frozen mid-sequence (`in_flight=True`,
+they then continue under the new weights) — the weights are loaded, the prefix cache is reset
+(and with `reset_running_kv`, the KV of frozen requests too, so they recompute it under the new
+weights), and the scheduler resumes. vLLM resets the prefix cache only when no request holds KV blocks,
 so in-flight pushes that keep the running requests' KV need `prefix_caching=False` (measured:
 the reset is refused otherwise); no stale prefix can then be reused.
 """
@@ -72,6 +75,7 @@ class AsyncVllmGenerator:
             raise ValueError(f"temperature_for_logprobs must be > 0, got {temperature_for_logprobs}")
         start = time.perf_counter()
         self.max_model_len = max_model_len
+        self.tensor_parallel_size = tensor_parallel_size
         self.temperature_for_logprobs = float(temperature_for_logprobs)
         self.num_truncated_prompts = 0
         self._version = 0
@@ -135,15 +139,43 @@ class AsyncVllmGenerator:
 
     async def update_weights(self, named_tensors, version: int, in_flight: bool = False,
                              reset_running_kv: bool = False) -> float:
+        """`object_store` transport: load HF-named tensors (sent as safetensors bytes)."""
         from grpo_train.generation.vllm_worker_ext import serialize_weights
 
         start = time.perf_counter()
         check_weight_names(named_tensors, self._weight_names)
-        payload = serialize_weights(named_tensors)
+        await self._load("grpo_load_weights", (serialize_weights(named_tensors),), version, in_flight, reset_running_kv)
+        return time.perf_counter() - start
+
+    # -- the collective transport (grpo_train.weight_transport) ------------------------------
+
+    async def weight_group_size(self) -> int:
+        """Ranks this engine adds to a collective weight group: one per vLLM worker."""
+        return self.tensor_parallel_size
+
+    async def open_weight_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
+                                metas: list, bucket_bytes: int) -> None:
+        """Join the trainer's weight group (the trainer joins it at the same time). The tensor
+        metadata crosses into the engine process as plain rows (vLLM's RPC is msgpack)."""
+        check_weight_names([m.name for m in metas], self._weight_names)
+        rows = [m.to_row() for m in metas]
+        await self.engine.collective_rpc("grpo_open_weight_group",
+                                         args=(host, port, rank_offset, world_size, backend, rows, bucket_bytes))
+
+    async def receive_weights(self, version: int, in_flight: bool = False, reset_running_kv: bool = False) -> float:
+        """The receiving half of a `collective` push: the same pause/resume as `update_weights`
+        around the worker's bucket receiver, while the trainer broadcasts."""
+        start = time.perf_counter()
+        await self._load("grpo_receive_weights", (), version, in_flight, reset_running_kv)
+        return time.perf_counter() - start
+
+    async def _load(self, method: str, args: tuple, version: int, in_flight: bool, reset_running_kv: bool) -> None:
+        """Pause the scheduler (see the module docstring), run the worker's loader `method`,
+        reset the prefix cache, resume."""
         async with self._control:
             await self.engine.pause_generation(mode="keep" if in_flight else "wait", clear_cache=False)
             try:
-                await self.engine.collective_rpc("grpo_load_weights", args=(payload,))
+                await self.engine.collective_rpc(method, args=args)
                 # New requests must never hit prefix KV computed under the old weights. The reset
                 # fails while requests hold KV blocks: in-flight pushes that keep the running KV
                 # need an engine without prefix caching.
@@ -153,7 +185,6 @@ class AsyncVllmGenerator:
                 self._version = int(version)
             finally:
                 await self.engine.resume_generation()
-        return time.perf_counter() - start
 
     async def weight_version(self) -> int:
         return self._version

@@ -94,12 +94,14 @@ class GrpoWorkerExtension:
     def grpo_open_weight_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
                                metas: list, bucket_bytes: int) -> int:
         """`collective`: join the trainer's weight group as rank `rank_offset` + this worker's rank
-        and remember what every push carries. Returns this worker's rank in the group."""
-        from grpo_train.weight_transport import open_group
+        and remember what every push carries (`metas`: `TensorMeta`s, or their plain rows when the
+        call crossed vLLM's msgpack RPC from an `AsyncLLM`). Returns this worker's rank in the group."""
+        from grpo_train.weight_transport import TensorMeta, open_group
 
         rank = rank_offset + int(getattr(self, "rank", 0))
         self._grpo_group = open_group(host, port, rank, world_size, backend)
-        self._grpo_metas, self._grpo_bucket_bytes, self._grpo_backend = list(metas), int(bucket_bytes), backend
+        self._grpo_metas = [TensorMeta.from_row(m) for m in metas]
+        self._grpo_bucket_bytes, self._grpo_backend = int(bucket_bytes), backend
         return rank
 
     def grpo_receive_weights(self) -> int:
