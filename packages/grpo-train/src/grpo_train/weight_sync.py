@@ -67,7 +67,7 @@ def check_refit(
     return worst
 
 
-def iter_refit_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_refit_tensors(model: torch.nn.Module, gather: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full detached tensor) of every weight a generator loads, in state-dict order,
     on the model's device and without copies (the transports decide where tensors go).
 
@@ -76,6 +76,8 @@ def iter_refit_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tens
     extension re-processes the tied lm_head itself. Non-persistent buffers (rotary tables) are
     not part of the state dict and are never sent. DTensor (FSDP2) shards are gathered into
     full tensors, a collective call: every rank of the model must iterate together.
+    `gather=False` yields DTensors as they are (their shape and dtype are the full weight's),
+    which is enough for metadata and needs no other rank.
     """
     seen: set[int] = set()
     # keep_vars=True yields the Parameter objects themselves, so tied weights are one object.
@@ -84,7 +86,7 @@ def iter_refit_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tens
             continue
         seen.add(id(tensor))
         tensor = tensor.detach()
-        if hasattr(tensor, "full_tensor"):  # DTensor (FSDP2 shard): gather the full weight
+        if gather and hasattr(tensor, "full_tensor"):  # DTensor (FSDP2 shard): gather the full weight
             tensor = tensor.full_tensor()
         yield name, tensor
 

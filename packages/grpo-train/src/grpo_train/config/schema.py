@@ -175,8 +175,10 @@ class TokenizerConfig(Section):
 
 
 class DTensorConfig(Section):
-    enabled: bool = True
-    """FSDP2 data parallelism on GPUs (gloo data parallelism on CPU)."""
+    enabled: bool | None = None
+    """FSDP2: shard the policy (and reference) over the data-parallel ranks. null: on GPUs only
+    (CPU ranks hold full replicas and all-reduce gradients over gloo); true: also on CPU ranks,
+    over a gloo device mesh (the sharded path CI tests; needs policy.num_workers > 1); false: never."""
     cpu_offload: bool = False
     """FSDP2 keeps parameters, gradients and optimizer state in CPU memory between uses (GPUs)."""
     sequence_parallel: bool = False

@@ -2,7 +2,9 @@
 
 Job: place N `PolicyWorker` Ray actors with a placement group (one bundle per rank: `{"CPU": 1}`
 on CPU machines, `{"GPU": 1, "CPU": 1}` on GPUs), join them in one torch.distributed group
-(gloo on CPU, NCCL with FSDP2 on GPUs), and split each call's rows across the ranks. The group
+(NCCL on GPUs, gloo on CPU; FSDP2-sharded as `policy.dtensor_cfg.enabled` says, on GPUs by
+default), and split each call's rows across the ranks (a rank may get none: it still takes part
+in every collective). The group
 has the worker's method names and is called the same way, `group.<method>.remote(...)` giving
 one ObjectRef, so `sync_loop` and `train_step` run 1 or N workers unchanged.
 
@@ -69,9 +71,10 @@ def take_rows(batch: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Te
 
 def combine_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     """Loss-like metrics are partial sums of global means, so ranks add up; min/max reduce;
-    the gradient norm and lr are the same on every rank (after the all-reduce)."""
+    the gradient norm and lr are the same on every rank (after the all-reduce). A rank given
+    no rows reports only loss, grad_norm and lr."""
     out: dict[str, float] = {}
-    for key in per_rank[0]:
+    for key in dict.fromkeys(key for m in per_rank for key in m):
         values = [m[key] for m in per_rank if key in m]
         if key in _MIN_METRICS:
             out[key] = min(values)
@@ -108,7 +111,7 @@ class PolicyGroup:
                 model_path, policy_cfg, loss_cfg, seed, rank=rank, world_size=self.world_size, num_threads=num_threads)
             for rank in range(self.world_size)
         ]
-        self._sharded = torch_gpu_sharding(cluster, policy_cfg)
+        self._sharded = False  # FSDP2: the ranks say so when they join (start)
         self.colocated_generators: list = []
         self._generators_awake = True
         self.transport, self.generators = None, []
@@ -121,7 +124,7 @@ class PolicyGroup:
         they load, so a generator can start meanwhile)."""
         if not self._started:
             host, port = ray.get(self.workers[0].free_address.remote())
-            ray.get([w.init_distributed.remote(host, port) for w in self.workers])
+            self._sharded = any(ray.get([w.init_distributed.remote(host, port) for w in self.workers]))
             self._started = True
 
     def attach(self, transport, generators: list) -> None:
@@ -180,19 +183,20 @@ class PolicyGroup:
 
     @remote_method
     def gradients(self):
-        return self.rank0.gradients.remote()
+        return [w.gradients.remote() for w in self._gathering_workers()][0]
 
     # ------------------------------------------------------------------ weights and state
     @remote_method
     def weights(self):
         """Rank 0's full weights by reference (under FSDP2 every rank gathers with it)."""
         self._wake_generators()
-        workers = self.workers if self._sharded else [self.rank0]
-        return [w.weights.remote() for w in workers][0]
+        return [w.weights.remote() for w in self._gathering_workers()][0]
 
     @remote_method
     def save(self, folder: str):
-        return self.rank0.save.remote(folder)
+        """Rank 0 writes; every rank takes part (under FSDP2 they gather the full state)."""
+        ray.get([w.save.remote(folder) for w in self.workers])
+        return ray.put(None)
 
     @remote_method
     def load(self, folder: str):
@@ -228,8 +232,7 @@ class PolicyGroup:
     @remote_method
     def send_weights(self, bucket_bytes: int):
         self._wake_generators()
-        workers = self.workers if self._sharded else [self.rank0]
-        return [w.send_weights.remote(bucket_bytes) for w in workers][0]
+        return [w.send_weights.remote(bucket_bytes) for w in self._gathering_workers()][0]
 
     @remote_method
     def ipc_handles(self):
@@ -238,6 +241,11 @@ class PolicyGroup:
         for handles in ray.get([w.ipc_handles.remote() for w in self.workers]):
             merged.update(handles)
         return ray.put(merged)
+
+    def _gathering_workers(self) -> list:
+        """The ranks a full-weight call needs: all of them under FSDP2 (each gather is a
+        collective), else rank 0 alone. The first one's answer is the group's."""
+        return self.workers if self._sharded else [self.rank0]
 
     def _sleep_generators(self) -> None:
         if self.colocated_generators and self._generators_awake:
@@ -254,7 +262,3 @@ class PolicyGroup:
             ray.kill(worker)
         ray.util.remove_placement_group(self.placement_group)
 
-
-def torch_gpu_sharding(cluster: ClusterConfig, policy_cfg: PolicyConfig) -> bool:
-    """Whether the workers shard with FSDP2 (GPUs and dtensor_cfg.enabled)."""
-    return cluster.gpus_per_node > 0 and policy_cfg.dtensor_cfg.enabled

@@ -16,7 +16,7 @@ import torch
 import grpo_kernels
 from grpo_train.batch import batch_size
 from grpo_train.config.schema import LossConfig, PolicyConfig
-from grpo_train.policy import microbatch
+from grpo_train.policy import fsdp, microbatch
 from grpo_train.policy.logprobs import packed_logprobs, sequence_logprobs
 from grpo_train.policy.optim import build_optimizer, build_scheduler
 
@@ -53,13 +53,19 @@ class PolicyWorker:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.optimizer = build_optimizer(self.model.parameters(), policy_cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, policy_cfg.scheduler)
-        self._sharded = False  # FSDP2 (GPUs): set by init_distributed
+        self._sharded = False  # FSDP2: set by init_distributed
+        self._roots: dict[int, torch.nn.Module] = {}  # id(model) -> its FSDP2 root (fsdp.ForwardRoot)
         self._weight_group = None  # the collective weight transport's group (rank 0 only)
 
     # ----------------------------------------------------------------------------- scoring
+    def _run(self, model: torch.nn.Module, fn, *args, **kwargs):
+        """fn(model, *args): under FSDP2 as the forward of the model's root unit."""
+        root = self._roots.get(id(model))
+        return root(fn, *args, **kwargs) if root is not None else fn(model, *args, **kwargs)
+
     def _logprobs(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], self.temperature,
-                                 fused=self.cfg.use_fused_kernels, chunk_size=self.cfg.logprob_chunk_size)
+        return self._run(model, sequence_logprobs, batch["input_ids"], batch["attention_mask"], self.temperature,
+                         fused=self.cfg.use_fused_kernels, chunk_size=self.cfg.logprob_chunk_size)
 
     def _microbatch_logprobs(self, model: torch.nn.Module, batch: dict[str, torch.Tensor],
                              mb: microbatch.MicroBatch) -> torch.Tensor:
@@ -69,9 +75,27 @@ class PolicyWorker:
             inputs = {key: batch[key] for key in ("input_ids", "attention_mask")}
             return self._logprobs(model, microbatch.rows_of(inputs, mb.rows, mb.width, device))
         packed = microbatch.pack_rows(batch["input_ids"], mb, device)
-        flat = packed_logprobs(model, packed.input_ids, packed.position_ids, packed.cu_seqlens, packed.max_seqlen,
-                               self.temperature, fused=self.cfg.use_fused_kernels, chunk_size=self.cfg.logprob_chunk_size)
+        flat = self._run(model, packed_logprobs, packed.input_ids, packed.position_ids, packed.cu_seqlens,
+                         packed.max_seqlen, self.temperature, fused=self.cfg.use_fused_kernels,
+                         chunk_size=self.cfg.logprob_chunk_size)
         return microbatch.unpack_rows(flat, packed)
+
+    def _dummy(self, batch: dict[str, torch.Tensor], planner: microbatch.Planner,
+               lengths: list[int]) -> tuple[dict[str, torch.Tensor], microbatch.MicroBatch]:
+        """A micro-batch whose result is thrown away, run to keep this rank in step with ranks
+        that have more; a rank given no rows (batch smaller than the ranks) runs two pad tokens."""
+        if not lengths:
+            width = microbatch.MIN_WIDTH
+            batch = {"input_ids": torch.zeros(1, width, dtype=torch.long),
+                     "attention_mask": torch.ones(1, width, dtype=torch.long)}
+            lengths = [width]
+        return batch, planner.dummy(lengths, batch["input_ids"].shape[1])
+
+    def _plan(self, batch: dict[str, torch.Tensor], purpose: microbatch.Purpose):
+        """This rank's planner, row lengths and micro-batches (none for an empty share)."""
+        planner = microbatch.make_planner(self.cfg, purpose)
+        lengths = microbatch.row_lengths(batch["attention_mask"])
+        return planner, lengths, planner.plan(lengths, batch["input_ids"].shape[1]) if lengths else []
 
     def _agree_microbatch_count(self, n: int) -> int:
         """Micro-batches every data-parallel rank runs: the most any rank has. Ranks with fewer
@@ -90,14 +114,11 @@ class PolicyWorker:
         model = self.reference if reference else self.model
         if model is None:
             raise ValueError("reference logprobs requested but loss_fn.reference_policy_kl_penalty is 0")
-        n, S = batch_size(batch), batch["input_ids"].shape[1]
-        out = torch.zeros(n, S)
-        planner = microbatch.make_planner(self.cfg, "logprob")
-        lengths = microbatch.row_lengths(batch["attention_mask"])
-        plan = planner.plan(lengths, S)
+        out = torch.zeros(batch_size(batch), batch["input_ids"].shape[1])
+        planner, lengths, plan = self._plan(batch, "logprob")
         for i in range(self._agree_microbatch_count(len(plan))):
             if i >= len(plan):  # keeps this rank in step; the result is not used
-                self._microbatch_logprobs(model, batch, planner.dummy(lengths, S))
+                self._microbatch_logprobs(model, *self._dummy(batch, planner, lengths))
                 continue
             lp = self._microbatch_logprobs(model, batch, plan[i])  # [rows, W]
             out[torch.tensor(plan[i].rows), : lp.shape[1]] = lp.float().cpu()
@@ -143,13 +164,10 @@ class PolicyWorker:
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         lr = self.scheduler.get_last_lr()[0]
-        S = batch["input_ids"].shape[1]
-        planner = microbatch.make_planner(self.cfg, "train")
-        lengths = microbatch.row_lengths(batch["attention_mask"])
-        plan = planner.plan(lengths, S)
+        planner, lengths, plan = self._plan(batch, "train")
         for i in range(self._agree_microbatch_count(len(plan))):
             if i >= len(plan):  # keeps this rank in step: gradients of exactly zero
-                curr = self._microbatch_logprobs(self.model, batch, planner.dummy(lengths, S))
+                curr = self._microbatch_logprobs(self.model, *self._dummy(batch, planner, lengths))
                 (curr.sum() * 0.0).backward()
                 continue
             curr = self._microbatch_logprobs(self.model, batch, plan[i])  # [rows, W]
@@ -168,9 +186,10 @@ class PolicyWorker:
                     sums[key] = max(sums.get(key, -math.inf), value)
                 else:
                     sums[key] = sums.get(key, 0.0) + value
+        sums.setdefault("loss", 0.0)  # a rank given no rows adds nothing
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else math.inf
         self._reduce_gradients()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        grad_norm = fsdp.clip_grad_norm(list(self.model.parameters()), max_norm)
         if not (math.isfinite(sums["loss"]) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteLossError(f"non-finite training step: loss={sums['loss']}, grad_norm={grad_norm}; "
@@ -188,28 +207,48 @@ class PolicyWorker:
         return weight_sync.state_dict_for_refit(self.model)
 
     def save(self, folder: str) -> None:
+        """Rank 0 writes the full model (HF safetensors), optimizer, scheduler and RNG state.
+        Every rank calls it: under FSDP2 the ranks gather the full tensors together, so a
+        sharded checkpoint has the unsharded format (and `grpo eval --checkpoint` reads it).
+        Atomicity is the caller's folder (CheckpointManager writes into a temporary one)."""
         from grpo_train.checkpoint import atomic_torch_save
 
+        keep = self.rank == 0
+        model_state = fsdp.full_model_state(self.model) if self._sharded else None
+        optimizer_state = (fsdp.full_optimizer_state(self.optimizer, keep) if self._sharded
+                           else self.optimizer.state_dict())
+        if not keep:
+            return
         folder = Path(folder)
-        self.model.save_pretrained(folder / "model", safe_serialization=True)
-        atomic_torch_save(self.optimizer.state_dict(), folder / "optimizer.pt")
+        self.model.save_pretrained(folder / "model", state_dict=model_state, safe_serialization=True)
+        atomic_torch_save(optimizer_state, folder / "optimizer.pt")
         atomic_torch_save(self.scheduler.state_dict(), folder / "scheduler.pt")
         atomic_torch_save(torch.get_rng_state(), folder / "torch_rng.pt")
 
     def load(self, folder: str) -> None:
+        """Every rank reads the full checkpoint (sharded or not when saved); under FSDP2 each
+        keeps its shard of the weights and optimizer state."""
         from safetensors.torch import load_file
 
         folder = Path(folder)
         state = {}
         for shard in sorted((folder / "model").glob("*.safetensors")):
             state.update(load_file(shard))
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        load = fsdp.load_full_model_state if self._sharded else self._load_unsharded
+        missing, unexpected = load(self.model, state)
         tied = {k for k in missing if self.model.config.tie_word_embeddings and k.endswith("lm_head.weight")}
         if set(missing) - tied or unexpected:
             raise RuntimeError(f"checkpoint {folder} does not match the model: missing {missing}, unexpected {unexpected}")
-        self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=False))
+        optimizer_state = torch.load(folder / "optimizer.pt", weights_only=False)
+        if self._sharded:
+            optimizer_state = fsdp.shard_optimizer_state(self.optimizer, optimizer_state)
+        self.optimizer.load_state_dict(optimizer_state)
         self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
         torch.set_rng_state(torch.load(folder / "torch_rng.pt"))
+
+    @staticmethod
+    def _load_unsharded(model: torch.nn.Module, state: dict[str, torch.Tensor]):
+        return model.load_state_dict(state, strict=False)
 
     def ping(self) -> int:
         return os.getpid()
@@ -228,36 +267,36 @@ class PolicyWorker:
         return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
                 "pid": os.getpid(), "rank": self.rank}
 
-    def init_distributed(self, master_addr: str, port: int) -> None:
-        """Join the data-parallel group (NCCL on GPUs, gloo on CPU); on GPUs with
-        `dtensor_cfg.enabled`, shard the model with FSDP2. Every rank calls it at once."""
+    def init_distributed(self, master_addr: str, port: int) -> bool:
+        """Join the data-parallel group (NCCL on GPUs, gloo on CPU) and, as `dtensor_cfg.enabled`
+        says (`fsdp.uses_fsdp`), shard the model with FSDP2. Every rank calls it at once;
+        returns whether this rank is sharded."""
         import torch.distributed as dist
 
         if self.cfg.dtensor_cfg.activation_checkpointing:
             self.model.gradient_checkpointing_enable()
-        if self.world_size == 1 and not torch.cuda.is_available():
-            return
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        on_gpu = torch.cuda.is_available()
+        if self.world_size == 1 and not on_gpu:
+            return False
+        backend = "nccl" if on_gpu else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{port}", rank=self.rank,
                                 world_size=self.world_size)
-        if backend == "nccl" and self.cfg.dtensor_cfg.enabled:
-            self._shard()
+        if fsdp.uses_fsdp(self.cfg.dtensor_cfg, on_gpu, self.world_size):
+            self._shard("cuda" if on_gpu else "cpu")
+        return self._sharded
 
-    def _shard(self) -> None:
-        """FSDP2 on this rank's GPU: one unit per decoder layer plus the root. Gradients are
-        summed, not averaged, across ranks (the loss is already divided by global counts)."""
-        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
+    def _shard(self, device_type: str) -> None:
+        """FSDP2 over a 1-D mesh of all ranks, the same on GPUs and CPUs (`fsdp.shard`); the
+        reference model is sharded too. Only the device and the mesh's backend differ."""
+        from torch.distributed.device_mesh import init_device_mesh
 
-        self.model.to(torch.device("cuda", torch.cuda.current_device()))
-        if self.reference is not None:
-            self.reference.to(self.model.device)
-        kwargs = {"offload_policy": CPUOffloadPolicy()} if self.cfg.dtensor_cfg.cpu_offload else {}
-        for layer in self.model.model.layers:
-            fully_shard(layer, **kwargs)
-        fully_shard(self.model, **kwargs)
-        for module in self.model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_gradient_divide_factor(1.0)
+        if device_type == "cuda":
+            self.model.to(torch.device("cuda", torch.cuda.current_device()))
+        mesh = init_device_mesh(device_type, (self.world_size,))
+        for model in (self.model, self.reference):
+            if model is not None:
+                model.to(self.model.device)
+                self._roots[id(model)] = fsdp.shard(model, mesh, self.cfg.dtensor_cfg.cpu_offload)
         # The optimizer must hold the sharded parameters; it has no state yet.
         self.optimizer = build_optimizer(self.model.parameters(), self.cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, self.cfg.scheduler)
@@ -280,8 +319,10 @@ class PolicyWorker:
             param.grad = grad
 
     def gradients(self) -> dict[str, torch.Tensor]:
-        """The last optimizer step's (reduced) gradients by parameter name, on CPU."""
-        return {name: p.grad.detach().to("cpu").clone() for name, p in self.model.named_parameters() if p.grad is not None}
+        """The last optimizer step's (reduced) gradients by parameter name, on CPU (full tensors:
+        under FSDP2 every rank calls it, to gather)."""
+        return {name: fsdp.full(p.grad.detach()).to("cpu", copy=True)
+                for name, p in self.model.named_parameters() if p.grad is not None}
 
     def collective_backend(self) -> str:
         return "nccl" if torch.cuda.is_available() else "gloo"
@@ -290,7 +331,7 @@ class PolicyWorker:
         from grpo_train.weight_sync import iter_refit_tensors
         from grpo_train.weight_transport import tensor_metadata
 
-        return tensor_metadata(iter_refit_tensors(self.model))
+        return tensor_metadata(iter_refit_tensors(self.model, gather=False))
 
     def open_weight_group(self, host: str, port: int, world_size: int, backend: str) -> None:
         """Rank 0 only: join the collective weight transport's group as its source (rank 0)."""
@@ -308,7 +349,7 @@ class PolicyWorker:
             for _ in iter_refit_tensors(self.model):
                 pass
             return 0
-        metas = tensor_metadata(iter_refit_tensors(self.model))
+        metas = tensor_metadata(iter_refit_tensors(self.model, gather=False))
         device = self.model.device if self.collective_backend() == "nccl" else torch.device("cpu")
         tensors = (t for _, t in iter_refit_tensors(self.model))
         return send_buckets(self._weight_group, tensors, metas, bucket_bytes, device)

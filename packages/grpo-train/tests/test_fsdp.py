@@ -1,0 +1,216 @@
+"""FSDP2-sharded policy ranks on CPU (real Ray actors, a real gloo device mesh) against one
+unsharded worker, and checkpoints that cross between the two layouts.
+
+The oracle is the single in-process worker on the same global batch (fp32, 1e-6 relative),
+started from the same state: the group loads the single worker's checkpoint first, which is
+also the unsharded -> sharded load. Checkpoint round trips are checked bitwise. One sharded
+group serves the module (each group start costs seconds on 2 cores)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file
+
+from grpo_train.config.schema import ClusterConfig, DTensorConfig, LossConfig, PolicyConfig
+from grpo_train.policy.fsdp import uses_fsdp
+from grpo_train.policy.group import PolicyGroup
+from grpo_train.weight_transport import open_group, receive_buckets
+
+VOCAB = 64
+RTOL = 1e-6
+# k_proj.bias has an exactly-zero gradient in exact arithmetic (softmax ignores a shift shared
+# by all keys): its gradient, and its update, are rounding noise. Tensors compare to 1e-6
+# relative plus this absolute floor on the difference norm. (AdamW would scale that noise up
+# to lr-sized steps of random sign, hence SGD with momentum for the optimizer state.)
+ATOL = 1e-9
+LOSS = LossConfig(reference_policy_kl_penalty=0.05)
+BUCKET_BYTES = 64 * 1024  # several buckets per push of the tiny model
+
+
+def policy_cfg(num_workers: int, fsdp: bool | None = True) -> PolicyConfig:
+    """SGD with momentum: per-parameter optimizer state, sharded under FSDP2."""
+    return PolicyConfig(precision="float32", train_global_batch_size=8, train_micro_batch_size=2,
+                        logprob_batch_size=3, max_grad_norm=1.0, num_workers=num_workers,
+                        optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.5, "momentum": 0.9}},
+                        dtensor_cfg=DTensorConfig(enabled=fsdp), generation={"temperature": 0.7})
+
+
+def make_batch(B: int, seed: int) -> dict[str, torch.Tensor]:
+    """B rows of ragged lengths (one masked sample when B > 1), prev/ref logprobs to be added."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(5, 14, (B,), generator=g)
+    S = int(lengths.max())
+    attention_mask = (torch.arange(S)[None, :] < lengths[:, None]).long()
+    token_mask = attention_mask.float().clone()
+    token_mask[:, :3] = 0
+    sample_mask = torch.ones(B)
+    sample_mask[B // 2] = 0 if B > 1 else 1
+    return {"input_ids": torch.randint(3, VOCAB, (B, S), generator=g) * attention_mask,
+            "attention_mask": attention_mask, "token_mask": token_mask,
+            "gen_logprobs": -torch.rand(B, S, generator=g) * token_mask,
+            "advantages": torch.randn(B, generator=g)[:, None] * token_mask, "sample_mask": sample_mask}
+
+
+def prepare(batch, logprobs):
+    batch = dict(batch)
+    batch["prev_logprobs"] = logprobs(batch)
+    batch["ref_logprobs"] = logprobs(batch, reference=True)
+    return batch
+
+
+def group_logprobs(group):
+    return lambda b, **kw: ray.get(group.logprobs.remote(b, **kw))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def assert_close_rel(got: dict, want: dict, what: str, atol: float = ATOL) -> None:
+    assert got.keys() == want.keys() and len(want) > 0, what
+    for name in want:
+        diff = float((got[name] - want[name]).norm())
+        assert diff <= RTOL * float(want[name].norm()) + atol, (what, name, rel_err(got[name], want[name]))
+
+
+def assert_metrics_close(got: dict, want: dict) -> None:
+    for key in ("loss", "grad_norm", "lr"):
+        assert abs(got[key] - want[key]) <= RTOL * max(abs(want[key]), 1e-12), (key, want[key], got[key])
+
+
+def assert_state_equal(a, b, where: str = "") -> None:
+    """Nested dicts/lists of tensors and plain values, bitwise."""
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for key in a:
+            assert_state_equal(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_state_equal(x, y, f"{where}/{i}")
+    else:
+        assert a == b, (where, a, b)
+
+
+def single_worker(model_dir: str):
+    from grpo_train.policy.worker import PolicyWorker
+
+    torch.set_num_threads(1)
+    return PolicyWorker(model_dir, policy_cfg(1), LOSS, seed=0)
+
+
+def synced_single_worker(group, model_dir: str, folder: Path):
+    """A fresh single worker and the group in the same state: the group loads its checkpoint."""
+    single = single_worker(model_dir)
+    single.save(str(folder))
+    ray.get(group.load.remote(str(folder)))
+    return single
+
+
+def collective_refit(group) -> dict[str, torch.Tensor]:
+    """The weights as a separately placed engine receives them over the collective transport
+    (this process is the receiving rank of a real gloo group)."""
+    metas = ray.get(group.weight_metadata.remote())
+    host, port = ray.get(group.free_address.remote())
+    opened = group.open_weight_group.remote(host, port, 2, "gloo")
+    receiver = open_group(host, port, 1, 2, "gloo")
+    ray.get(opened)
+    sent = group.send_weights.remote(BUCKET_BYTES)
+    received = {name: t.clone() for name, t in receive_buckets(receiver, metas, BUCKET_BYTES, torch.device("cpu"))}
+    assert ray.get(sent) > 1
+    return received
+
+
+@pytest.fixture(scope="module")
+def fsdp_group(ray_session, tiny_qwen2_dir):
+    group = PolicyGroup(tiny_qwen2_dir, policy_cfg(2), LOSS, ClusterConfig(), seed=0, num_threads=1)
+    yield group
+    group.close()
+
+
+def test_cpu_default_is_the_gloo_all_reduce_and_true_shards():
+    assert not uses_fsdp(DTensorConfig(), on_gpu=False, world_size=2)
+    assert uses_fsdp(DTensorConfig(), on_gpu=True, world_size=1)
+    assert uses_fsdp(DTensorConfig(enabled=True), on_gpu=False, world_size=2)
+    assert not uses_fsdp(DTensorConfig(enabled=True), on_gpu=False, world_size=1)
+    assert not uses_fsdp(DTensorConfig(enabled=False), on_gpu=True, world_size=8)
+
+
+def test_fsdp_ranks_match_one_worker_and_refit_full_weights(fsdp_group, tiny_qwen2_dir, tmp_path):
+    """Two optimizer steps (16 rows, 8 per step): logprobs, loss, grad norm, gradients and
+    updated weights of the sharded ranks equal the single worker's; both transports carry
+    the full weights out of the shards."""
+    single = synced_single_worker(fsdp_group, tiny_qwen2_dir, tmp_path / "start")
+    assert fsdp_group._sharded
+    one = prepare(make_batch(16, seed=0), single.logprobs)
+    two = prepare(make_batch(16, seed=0), group_logprobs(fsdp_group))
+    torch.testing.assert_close(two["prev_logprobs"], one["prev_logprobs"], rtol=0, atol=1e-6)
+    torch.testing.assert_close(two["ref_logprobs"], one["ref_logprobs"], rtol=0, atol=1e-6)
+    m1, m2 = single.train(one), ray.get(fsdp_group.train.remote(two))
+    assert_metrics_close(m2, m1)
+    assert m1["grad_norm"] > 0
+    assert_close_rel(ray.get(fsdp_group.gradients.remote()), single.gradients(), "gradients")
+    w1 = single.weights()
+    assert_close_rel(ray.get(fsdp_group.weights.remote()), w1, "object_store refit")
+    assert_close_rel(collective_refit(fsdp_group), w1, "collective refit")
+    assert "lm_head.weight" not in w1  # tied: sent once, as the embedding
+
+
+def test_fsdp_checkpoint_round_trips_bitwise_and_resumes_exactly(fsdp_group, tiny_qwen2_dir, tmp_path):
+    """Save the sharded ranks after a step; a fresh sharded group and an unsharded worker load
+    it bitwise (weights, momentum buffers), write it back byte-identical in the unsharded format,
+    and take the same next step as the group that never stopped."""
+    ray.get(fsdp_group.train.remote(prepare(make_batch(8, seed=1), group_logprobs(fsdp_group))))
+    saved = tmp_path / "saved"
+    ray.get(fsdp_group.save.remote(str(saved)))
+    assert (saved / "model" / "config.json").read_text().count('"Qwen2ForCausalLM"') == 1  # not FSDPQwen2...
+    resumed = PolicyGroup(tiny_qwen2_dir, policy_cfg(2), LOSS, ClusterConfig(), seed=0, num_threads=1)
+    try:
+        ray.get(resumed.load.remote(str(saved)))
+        ray.get(resumed.save.remote(str(tmp_path / "resaved")))
+        single = single_worker(tiny_qwen2_dir)
+        single.load(str(saved))
+        single.save(str(tmp_path / "unsharded"))
+        for copy in ("resaved", "unsharded"):
+            assert_checkpoints_equal(saved, tmp_path / copy)
+        assert_state_equal(single.optimizer.state_dict(), torch.load(saved / "optimizer.pt", weights_only=False))
+        assert_state_equal(ray.get(resumed.weights.remote()), ray.get(fsdp_group.weights.remote()))
+
+        nxt = make_batch(8, seed=2)
+        m_cont = ray.get(fsdp_group.train.remote(prepare(nxt, group_logprobs(fsdp_group))))
+        m_res = ray.get(resumed.train.remote(prepare(nxt, group_logprobs(resumed))))
+        m_one = single.train(prepare(nxt, single.logprobs))
+        assert m_res == m_cont
+        assert_state_equal(ray.get(resumed.weights.remote()), ray.get(fsdp_group.weights.remote()))
+        assert_metrics_close(m_one, m_cont)
+        assert_close_rel(single.weights(), ray.get(fsdp_group.weights.remote()), "unsharded resume")
+    finally:
+        resumed.close()
+
+
+def assert_checkpoints_equal(a: Path, b: Path) -> None:
+    """Same files; safetensors, optimizer, scheduler and RNG state bitwise equal."""
+    assert sorted(p.name for p in (a / "model").iterdir()) == sorted(p.name for p in (b / "model").iterdir())
+    for shard in sorted((a / "model").glob("*.safetensors")):
+        assert_state_equal(load_file(shard), load_file(b / "model" / shard.name), str(shard))
+    for name in ("optimizer.pt", "scheduler.pt", "torch_rng.pt"):
+        assert_state_equal(torch.load(a / name, weights_only=False), torch.load(b / name, weights_only=False), name)
+
+
+def test_one_row_on_two_sharded_ranks_is_the_single_worker_step(fsdp_group, tiny_qwen2_dir, tmp_path):
+    """Rank 0 gets no rows: it runs pad-token micro-batches so that the shards' gathers and
+    reduce-scatters stay matched, and the result is the single worker's."""
+    single = synced_single_worker(fsdp_group, tiny_qwen2_dir, tmp_path / "start")
+    one = prepare(make_batch(1, seed=3), single.logprobs)
+    two = prepare(make_batch(1, seed=3), group_logprobs(fsdp_group))
+    torch.testing.assert_close(two["prev_logprobs"], one["prev_logprobs"], rtol=0, atol=1e-6)
+    m1, m2 = single.train(one), ray.get(fsdp_group.train.remote(two))
+    assert_metrics_close(m2, m1)
+    assert m2.keys() == m1.keys()
+    assert_close_rel(ray.get(fsdp_group.weights.remote()), single.weights(), "weights")
