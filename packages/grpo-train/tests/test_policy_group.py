@@ -53,23 +53,40 @@ def prepare(batch, logprobs):
     return batch
 
 
-def test_two_data_parallel_workers_match_one_worker(ray_session, tiny_qwen2_dir):
-    """Oracle: one PolicyWorker in this process; subject: two gloo ranks in Ray actors."""
+LOSS = LossConfig(reference_policy_kl_penalty=0.05)
+
+
+@pytest.fixture(scope="module")
+def gloo_group(ray_session, tiny_qwen2_dir):
+    """Two unsharded gloo ranks (dtensor_cfg.enabled is null: no FSDP2 on CPU), shared by the module."""
+    group = PolicyGroup(tiny_qwen2_dir, policy_cfg(2), LOSS, ClusterConfig(), seed=0, num_threads=1)
+    yield group
+    group.close()
+
+
+def synced_single_worker(group, model_dir: str, folder):
+    """A fresh in-process worker, and the group loaded from its checkpoint (same state)."""
     from grpo_train.policy.worker import PolicyWorker
 
-    loss = LossConfig(reference_policy_kl_penalty=0.05)
-    group = PolicyGroup(tiny_qwen2_dir, policy_cfg(2), loss, ClusterConfig(), seed=0, num_threads=1)
-    try:
-        single = PolicyWorker(tiny_qwen2_dir, policy_cfg(1), loss, seed=0)
-        one = prepare(make_batch(), single.logprobs)
-        m1 = single.train(one)
-        g1, w1 = single.gradients(), single.weights()
-        two = prepare(make_batch(), lambda b, **kw: ray.get(group.logprobs.remote(b, **kw)))
-        m2 = ray.get(group.train.remote(two))
-        g2, w2 = ray.get(group.gradients.remote()), ray.get(group.weights.remote())
-        ranks = ray.get(group.whereabouts.remote())
-    finally:
-        group.close()
+    torch.set_num_threads(1)
+    single = PolicyWorker(model_dir, policy_cfg(1), LOSS, seed=0)
+    single.save(str(folder))
+    ray.get(group.load.remote(str(folder)))
+    return single
+
+
+def test_two_data_parallel_workers_match_one_worker(gloo_group, tiny_qwen2_dir, tmp_path):
+    """Oracle: one PolicyWorker in this process; subject: two gloo ranks in Ray actors."""
+    group = gloo_group
+    single = synced_single_worker(group, tiny_qwen2_dir, tmp_path)
+    assert not group._sharded
+    one = prepare(make_batch(), single.logprobs)
+    m1 = single.train(one)
+    g1, w1 = single.gradients(), single.weights()
+    two = prepare(make_batch(), lambda b, **kw: ray.get(group.logprobs.remote(b, **kw)))
+    m2 = ray.get(group.train.remote(two))
+    g2, w2 = ray.get(group.gradients.remote()), ray.get(group.weights.remote())
+    ranks = ray.get(group.whereabouts.remote())
     assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["pid"] != ranks[1]["pid"]
     torch.testing.assert_close(two["prev_logprobs"], one["prev_logprobs"], rtol=0, atol=1e-6)
     for key in ("loss", "grad_norm", "lr"):
@@ -80,6 +97,43 @@ def test_two_data_parallel_workers_match_one_worker(ray_session, tiny_qwen2_dir)
         assert rel_err(g2[name], g1[name]) <= RTOL, name
     for name in w1:
         assert rel_err(w2[name], w1[name]) <= RTOL, name
+
+
+def test_one_row_on_two_ranks_is_the_single_worker_step(gloo_group, tiny_qwen2_dir, tmp_path):
+    """A batch smaller than the ranks: rank 0 gets no rows, runs a pad-token micro-batch (zero
+    gradient) and still joins the all-reduces; the result is the single worker's."""
+    single = synced_single_worker(gloo_group, tiny_qwen2_dir, tmp_path)
+    batch = {key: value[:1] for key, value in make_batch(B=8, seed=3).items()}
+    one = prepare(batch, single.logprobs)
+    two = prepare(batch, lambda b, **kw: ray.get(gloo_group.logprobs.remote(b, **kw)))
+    torch.testing.assert_close(two["prev_logprobs"], one["prev_logprobs"], rtol=0, atol=1e-6)
+    m1, m2 = single.train(one), ray.get(gloo_group.train.remote(two))
+    assert m2.keys() == m1.keys() and m1["grad_norm"] > 0
+    for key in ("loss", "grad_norm", "lr", "ratio_min", "ratio_max"):
+        assert abs(m2[key] - m1[key]) <= RTOL * max(abs(m1[key]), 1e-12), (key, m1[key], m2[key])
+    w1, w2 = single.weights(), ray.get(gloo_group.weights.remote())
+    for name in w1:
+        assert rel_err(w2[name], w1[name]) <= RTOL, name
+
+
+@pytest.mark.parametrize("planner", ["padded", "dynamic_batching", "sequence_packing"])
+def test_a_rank_without_rows_runs_a_dummy_microbatch(tiny_qwen2_dir, planner):
+    """Every planner's stand-in for an empty row share: a two-token pad row through the model
+    (its gradient is zero), so FSDP2's gathers and the gloo all-reduce stay matched."""
+    from grpo_train.policy import microbatch
+    from grpo_train.policy.worker import PolicyWorker
+
+    torch.set_num_threads(1)
+    update = {planner: {"enabled": True, "train_mb_tokens": 64, "logprob_mb_tokens": 64}} if planner != "padded" else {}
+    cfg = PolicyConfig.model_validate({**policy_cfg(1).model_dump(), **update})
+    worker = PolicyWorker(tiny_qwen2_dir, cfg, LossConfig(reference_policy_kl_penalty=0.0), seed=0)
+    empty = {key: value[:0] for key, value in make_batch(B=8).items()}
+    planner_, lengths, plan = worker._plan(empty, "train")
+    assert microbatch.planner_name(cfg) == planner and lengths == [] and plan == []
+    curr = worker._microbatch_logprobs(worker.model, *worker._dummy(empty, planner_, lengths))
+    (curr.sum() * 0.0).backward()
+    assert curr.shape[0] == 1 and all(float(p.grad.abs().sum()) == 0 for p in worker.model.parameters() if p.grad is not None)
+    assert worker.logprobs(empty).shape == (0, empty["input_ids"].shape[1])
 
 
 def test_activation_checkpointing_keeps_the_gradients(tiny_qwen2_dir):
@@ -108,6 +162,9 @@ def test_rows_split_evenly_and_metrics_reduce_like_the_loss():
     merged = combine_metrics([{"loss": 0.25, "ratio_min": 0.9, "ratio_max": 1.1, "grad_norm": 2.0},
                               {"loss": 0.5, "ratio_min": 0.8, "ratio_max": 1.3, "grad_norm": 2.0}])
     assert merged == {"loss": 0.75, "ratio_min": 0.8, "ratio_max": 1.3, "grad_norm": 2.0}
+    # A rank given no rows reports only the loss (0), grad norm and lr.
+    assert combine_metrics([{"loss": 0.0, "grad_norm": 2.0}, {"loss": 0.5, "ratio_min": 0.9, "grad_norm": 2.0}]) == {
+        "loss": 0.5, "grad_norm": 2.0, "ratio_min": 0.9}
 
 
 def test_bundles_follow_the_cluster_shape():
