@@ -296,7 +296,8 @@ class PolicyWorker:
         for model in (self.model, self.reference):
             if model is not None:
                 model.to(self.model.device)
-                self._roots[id(model)] = fsdp.shard(model, mesh, self.cfg.dtensor_cfg.cpu_offload)
+                offload = self.cfg.dtensor_cfg.cpu_offload and device_type == "cuda"  # CPU ranks are there already
+                self._roots[id(model)] = fsdp.shard(model, mesh, offload)
         # The optimizer must hold the sharded parameters; it has no state yet.
         self.optimizer = build_optimizer(self.model.parameters(), self.cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, self.cfg.scheduler)
