@@ -97,6 +97,22 @@ def test_checkpoint_from_rank_0_resumes_every_rank_bitwise(group, tiny_qwen2_dir
     assert all(single.weights()[k].equal(saved[k]) for k in saved)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_two_gpu_value_ranks_over_nccl_match_one_cpu_worker(ray_session, tiny_qwen2_dir):
+    """cluster.gpus_per_node > 0: a GPU bundle per rank, NCCL gradient sum; fp32 on both devices."""
+    single = ValueWorker(tiny_qwen2_dir, value_cfg(1), LOSS, GLOBAL_BATCH, seed=0)
+    gpu = ValueGroup(tiny_qwen2_dir, value_cfg(2), LOSS, ClusterConfig(gpus_per_node=2), GLOBAL_BATCH, seed=0)
+    try:
+        batch = make_batch()
+        m1, m2 = single.train(batch), ray.get(gpu.train.remote(batch))
+        values, expected = ray.get(gpu.values.remote(batch)), single.values(batch)
+    finally:
+        gpu.close()
+    assert m2["value_loss"] == pytest.approx(m1["value_loss"], rel=1e-4)
+    torch.testing.assert_close(values, expected, rtol=1e-4, atol=1e-4)
+
+
 def test_steps_split_evenly_and_metrics_add_up():
     batch = make_batch()
     shards, tokens, seqs = shard_steps(batch, GLOBAL_BATCH, 2)
