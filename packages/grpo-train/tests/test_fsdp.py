@@ -8,12 +8,14 @@ group serves the module (each group start costs seconds on 2 cores)."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
 import ray
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from grpo_train.config.schema import ClusterConfig, DTensorConfig, LossConfig, PolicyConfig
 from grpo_train.policy.fsdp import uses_fsdp
@@ -169,7 +171,6 @@ def test_fsdp_checkpoint_round_trips_bitwise_and_resumes_exactly(fsdp_group, tin
     ray.get(fsdp_group.train.remote(prepare(make_batch(8, seed=1), group_logprobs(fsdp_group))))
     saved = tmp_path / "saved"
     ray.get(fsdp_group.save.remote(str(saved)))
-    assert (saved / "model" / "config.json").read_text().count('"Qwen2ForCausalLM"') == 1  # not FSDPQwen2...
     resumed = PolicyGroup(tiny_qwen2_dir, policy_cfg(2), LOSS, ClusterConfig(), seed=0, num_threads=1)
     try:
         ray.get(resumed.load.remote(str(saved)))
@@ -190,13 +191,25 @@ def test_fsdp_checkpoint_round_trips_bitwise_and_resumes_exactly(fsdp_group, tin
         assert_state_equal(ray.get(resumed.weights.remote()), ray.get(fsdp_group.weights.remote()))
         assert_metrics_close(m_one, m_cont)
         assert_close_rel(single.weights(), ray.get(fsdp_group.weights.remote()), "unsharded resume")
+
+        # Rank 0 alone reads the checkpoint; a bad one fails on every rank instead of hanging one.
+        bad = tmp_path / "bad"
+        shutil.copytree(saved, bad)
+        weights = load_file(bad / "model" / "model.safetensors")
+        weights.pop("model.norm.weight")
+        save_file(weights, bad / "model" / "model.safetensors", metadata={"format": "pt"})
+        for ref in [worker.load.remote(str(bad)) for worker in resumed.workers]:
+            with pytest.raises(ray.exceptions.RayTaskError, match="missing \\['model.norm.weight'\\]"):
+                ray.get(ref, timeout=120)
     finally:
         resumed.close()
 
 
 def assert_checkpoints_equal(a: Path, b: Path) -> None:
-    """Same files; safetensors, optimizer, scheduler and RNG state bitwise equal."""
+    """Same files and model config; safetensors, optimizer, scheduler and RNG state bitwise equal."""
     assert sorted(p.name for p in (a / "model").iterdir()) == sorted(p.name for p in (b / "model").iterdir())
+    config = [json.loads((folder / "model" / "config.json").read_text()) for folder in (a, b)]
+    assert config[0] == config[1] and config[0]["architectures"] == ["Qwen2ForCausalLM"]
     for shard in sorted((a / "model").glob("*.safetensors")):
         assert_state_equal(load_file(shard), load_file(b / "model" / shard.name), str(shard))
     for name in ("optimizer.pt", "scheduler.pt", "torch_rng.pt"):

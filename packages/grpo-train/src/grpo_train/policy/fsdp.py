@@ -14,6 +14,7 @@ in the same order. Boundary: knows nothing of losses, batches, files or Ray.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -83,6 +84,23 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
 
 
 # ------------------------------------------------------------------ full (unsharded) state
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's picklable `obj` on every rank."""
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def tied_names(model: torch.nn.Module) -> list[list[str]]:
+    """State-dict names that share one parameter (e.g. the embedding and a tied lm_head), first name first."""
+    groups: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(tensor), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
 def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's full state dict on CPU, on rank 0 (other ranks get {}). Tied parameters
     (lm_head and the embedding) come out as one tensor under both names, as in the model, so
@@ -90,20 +108,27 @@ def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    first: dict[int, str] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if id(tensor) in first and name in state:
-            state[name] = state[first[id(tensor)]]
-        first.setdefault(id(tensor), name)
+    for first, *others in tied_names(model) if state else []:
+        state.update({name: state[first] for name in others})
     return state
 
 
-def load_full_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]):
-    """Load a full state dict (every rank passes the same one) into the sharded model; each
-    rank keeps its shard. Returns torch's (missing, unexpected) keys; strictness is the caller's."""
+def model_state_mismatch(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> str | None:
+    """Fill the tied names a checkpoint leaves out (in place); what else does not match the model."""
+    for names in tied_names(model):
+        present = [name for name in names if name in state]
+        state.update({name: state[present[0]] for name in names if present and name not in state})
+    expected = model.state_dict().keys()
+    missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
+    return f"missing {missing}, unexpected {unexpected}" if missing or unexpected else None
+
+
+def scatter_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Rank 0's full state dict (complete: see `model_state_mismatch`; {} on other ranks) into
+    every rank's shards, one tensor broadcast at a time."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    return set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
 def full_optimizer_state(optimizer: torch.optim.Optimizer, keep: bool) -> dict | None:
@@ -116,17 +141,49 @@ def full_optimizer_state(optimizer: torch.optim.Optimizer, keep: bool) -> dict |
     return {"state": state, "param_groups": state_dict["param_groups"]} if keep else None
 
 
-def shard_optimizer_state(optimizer: torch.optim.Optimizer, full_state: dict) -> dict:
-    """A full (unsharded-format) optimizer state dict cut to this rank's shards, ready for
-    `optimizer.load_state_dict`. Every rank holds the same full state, so each cuts its own
-    shard locally (no communication)."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if len(params) != sum(len(g["params"]) for g in full_state["param_groups"]):
-        raise ValueError(f"optimizer state has {sum(len(g['params']) for g in full_state['param_groups'])} "
-                         f"parameters; the model has {len(params)}")
-    state = {index: {key: _sharded_like(params[index], value) for key, value in per_param.items()}
+@dataclass(frozen=True)
+class Scattered:
+    """Stands in the broadcast optimizer skeleton for a per-element tensor that is scattered."""
+
+    dtype: torch.dtype
+
+
+def optimizer_skeleton(optimizer: torch.optim.Optimizer, full_state: dict) -> dict | str:
+    """Rank 0: the full optimizer state with its per-element tensors (Adam's moments, SGD's
+    momentum) replaced by `Scattered`, small enough to broadcast; or why it does not fit."""
+    params = _params(optimizer)
+    count = sum(len(group["params"]) for group in full_state["param_groups"])
+    if count != len(params):
+        return f"optimizer state has {count} parameters; the model has {len(params)}"
+    state = {index: {key: Scattered(value.dtype) if _per_element(params[index], value) else value
+                     for key, value in per_param.items()}
              for index, per_param in full_state["state"].items()}
     return {"state": state, "param_groups": full_state["param_groups"]}
+
+
+def scatter_optimizer_state(optimizer: torch.optim.Optimizer, skeleton: dict, full_state: dict | None) -> dict:
+    """The skeleton (on every rank) filled with this rank's shards of rank 0's full tensors
+    (`full_state`, None on other ranks), scattered one at a time: a state dict ready for
+    `optimizer.load_state_dict`."""
+    from torch.distributed.tensor import distribute_tensor
+
+    params = _params(optimizer)
+    state: dict[int, dict[str, Any]] = {}
+    for index, per_param in skeleton["state"].items():
+        state[index] = {}
+        for key, value in per_param.items():
+            if isinstance(value, Scattered):
+                param = params[index]
+                source = (full_state["state"][index][key] if full_state is not None
+                          else torch.empty(param.shape, dtype=value.dtype))
+                value = distribute_tensor(source.to(param.device_mesh.device_type), param.device_mesh,
+                                          param.placements, src_data_rank=0)
+            state[index][key] = value
+    return {"state": state, "param_groups": skeleton["param_groups"]}
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def _gathered(value: Any, keep: bool) -> Any:
@@ -136,12 +193,8 @@ def _gathered(value: Any, keep: bool) -> Any:
     return value.detach().to("cpu", copy=True) if keep else None
 
 
-def _sharded_like(param: torch.Tensor, value: Any) -> Any:
-    """`value` laid out like `param` when it is a full per-element state of a DTensor parameter
-    (Adam's moments, SGD's momentum); scalars such as Adam's step stay as they are."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+def _per_element(param: torch.Tensor, value: Any) -> bool:
+    """A full per-element state of a DTensor parameter (scalars such as Adam's step are not)."""
+    from torch.distributed.tensor import DTensor
 
-    if not (isinstance(param, DTensor) and torch.is_tensor(value) and value.shape == param.shape):
-        return value
-    value = value.to(param.device_mesh.device_type)
-    return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+    return isinstance(param, DTensor) and torch.is_tensor(value) and value.shape == param.shape

@@ -26,6 +26,19 @@ _MIN_METRICS = ("ratio_min", "clipped_ratio_min")
 _MAX_METRICS = ("ratio_max", "clipped_ratio_max")
 
 
+def read_checkpoint(folder: Path) -> dict:
+    """A policy checkpoint folder (written by `PolicyWorker.save`) in memory: model (HF
+    safetensors), optimizer, scheduler and torch RNG state."""
+    from safetensors.torch import load_file
+
+    model: dict[str, torch.Tensor] = {}
+    for shard in sorted((folder / "model").glob("*.safetensors")):
+        model.update(load_file(shard))
+    return {"model": model, "optimizer": torch.load(folder / "optimizer.pt", weights_only=False),
+            "scheduler": torch.load(folder / "scheduler.pt", weights_only=False),
+            "rng": torch.load(folder / "torch_rng.pt")}
+
+
 class NonFiniteLossError(RuntimeError):
     """The loss or gradient norm became NaN/inf; the optimizer step was not taken."""
 
@@ -226,29 +239,37 @@ class PolicyWorker:
         atomic_torch_save(torch.get_rng_state(), folder / "torch_rng.pt")
 
     def load(self, folder: str) -> None:
-        """Every rank reads the full checkpoint (sharded or not when saved); under FSDP2 each
-        keeps its shard of the weights and optimizer state."""
-        from safetensors.torch import load_file
-
+        """Load a checkpoint, whichever layout saved it. Unsharded: every rank reads it. FSDP2:
+        rank 0 reads it and scatters it, so only rank 0 needs the folder and holds full tensors."""
         folder = Path(folder)
-        state = {}
-        for shard in sorted((folder / "model").glob("*.safetensors")):
-            state.update(load_file(shard))
-        load = fsdp.load_full_model_state if self._sharded else self._load_unsharded
-        missing, unexpected = load(self.model, state)
-        tied = {k for k in missing if self.model.config.tie_word_embeddings and k.endswith("lm_head.weight")}
-        if set(missing) - tied or unexpected:
-            raise RuntimeError(f"checkpoint {folder} does not match the model: missing {missing}, unexpected {unexpected}")
-        optimizer_state = torch.load(folder / "optimizer.pt", weights_only=False)
-        if self._sharded:
-            optimizer_state = fsdp.shard_optimizer_state(self.optimizer, optimizer_state)
-        self.optimizer.load_state_dict(optimizer_state)
-        self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
-        torch.set_rng_state(torch.load(folder / "torch_rng.pt"))
+        if not self._sharded:
+            ckpt = read_checkpoint(folder)
+            missing, unexpected = self.model.load_state_dict(ckpt["model"], strict=False)
+            tied = {k for k in missing if self.model.config.tie_word_embeddings and k.endswith("lm_head.weight")}
+            if set(missing) - tied or unexpected:
+                raise RuntimeError(f"checkpoint {folder} does not match the model: missing {missing}, unexpected {unexpected}")
+            self.optimizer.load_state_dict(ckpt["optimizer"])
+        else:
+            ckpt = self._scatter_checkpoint(read_checkpoint(folder) if self.rank == 0 else None, folder)
+        self.scheduler.load_state_dict(ckpt["scheduler"])
+        torch.set_rng_state(ckpt["rng"])
 
-    @staticmethod
-    def _load_unsharded(model: torch.nn.Module, state: dict[str, torch.Tensor]):
-        return model.load_state_dict(state, strict=False)
+    def _scatter_checkpoint(self, ckpt: dict | None, folder: Path) -> dict:
+        """Rank 0's checkpoint (None on the other ranks) into every rank's shards. Rank 0 checks
+        it first and broadcasts the verdict, so a bad checkpoint fails on every rank (no rank is
+        left waiting in a collective). Returns the small parts (scheduler, RNG) on every rank."""
+        header = None
+        if ckpt is not None:
+            skeleton = fsdp.optimizer_skeleton(self.optimizer, ckpt["optimizer"])
+            error = fsdp.model_state_mismatch(self.model, ckpt["model"]) or (skeleton if isinstance(skeleton, str) else None)
+            header = {"error": error, "optimizer": skeleton, "scheduler": ckpt["scheduler"], "rng": ckpt["rng"]}
+        header = fsdp.broadcast_object(header)
+        if header["error"]:
+            raise RuntimeError(f"checkpoint {folder} does not match the model: {header['error']}")
+        fsdp.scatter_model_state(self.model, ckpt["model"] if ckpt is not None else {})
+        self.optimizer.load_state_dict(
+            fsdp.scatter_optimizer_state(self.optimizer, header["optimizer"], ckpt["optimizer"] if ckpt is not None else None))
+        return header
 
     def ping(self) -> int:
         return os.getpid()
