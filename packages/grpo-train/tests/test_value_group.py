@@ -140,10 +140,12 @@ SEPARATE_GENERATION = {"colocated": {"enabled": False, "resources": {"gpus_per_n
                                          "generation": SEPARATE_GENERATION}},
      ("policy.generation.colocated.resources GPUs (1)", "= 3 GPUs")),
     ({"value": {"num_workers": 3}}, ("value.train_global_batch_size (4)", "value.num_workers (3)")),
+    ({"cluster": {"num_cpus": 3}, "value": {"num_workers": 2}}, ("value.num_workers (2)", "= 4 CPUs", "cluster.num_cpus is 3")),
     ({"value": {"num_gpus": 1}}, ("value.num_gpus was replaced by value.num_workers",)),
     ({"value": {"sequence_packing": {"enabled": True}, "dynamic_batching": {"enabled": True}}},
      ("value.dynamic_batching and value.sequence_packing",)),
-], ids=["value-ranks-over-gpus", "separate-generation-over-gpus", "uneven-split", "num-gpus", "two-planners"])
+], ids=["value-ranks-over-gpus", "separate-generation-over-gpus", "uneven-split", "local-cpus", "num-gpus",
+     "two-planners"])
 def test_config_refuses_value_ranks_that_cannot_run(sections, words):
     with pytest.raises(ConfigError) as info:
         validate_config_dict(ppo_config(**sections))
@@ -153,4 +155,6 @@ def test_config_refuses_value_ranks_that_cannot_run(sections, words):
 def test_config_accepts_value_ranks_that_fit():
     cfg = validate_config_dict(ppo_config(cluster=GPU_CLUSTER, value={"num_workers": 1}))
     assert cfg.value.num_workers == 1
-    assert validate_config_dict(ppo_config(value={"num_workers": 4})).value.num_workers == 4  # CPU: logical bundles
+    assert validate_config_dict(ppo_config(value={"num_workers": 4})).value.num_workers == 4  # all local CPUs
+    remote = {"num_cpus": 2, "address": "ray://head:10001"}  # num_cpus sizes only a local Ray
+    assert validate_config_dict(ppo_config(cluster=remote, value={"num_workers": 2})).value.num_workers == 2

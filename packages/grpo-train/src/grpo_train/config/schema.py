@@ -593,6 +593,19 @@ class GRPOMasterConfig(Section):
             raise ValueError(f"value.train_global_batch_size ({value_batch}) must be a multiple of value.num_workers "
                              f"({self.value.num_workers}): each value optimizer step splits evenly over the workers")
         self._check_ppo_gpus()
+        self._check_ppo_local_cpus()
+
+    def _check_ppo_local_cpus(self) -> None:
+        """A local CPU Ray of cluster.num_cpus CPUs holds a CPU per policy rank, value rank and engine."""
+        cluster = self.cluster
+        if cluster.gpus_per_node > 0 or cluster.address is not None or cluster.num_cpus is None:
+            return
+        wanted = self.policy.num_workers + self.value.num_workers + 1
+        if wanted > cluster.num_cpus:
+            raise ValueError(
+                f"policy.num_workers ({self.policy.num_workers}) + value.num_workers ({self.value.num_workers}) + 1 "
+                f"generation engine = {wanted} CPUs, but cluster.num_cpus is {cluster.num_cpus}; lower the workers "
+                f"or raise cluster.num_cpus")
 
     def _check_ppo_gpus(self) -> None:
         """On GPUs every policy rank, separate generation GPU and value rank takes a GPU of its own."""
