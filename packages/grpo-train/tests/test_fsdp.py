@@ -130,10 +130,19 @@ def collective_refit(group) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def fsdp_group(ray_session, tiny_qwen2_dir):
+def fsdp_groups(ray_session, tiny_qwen2_dir):
+    """The module's sharded group, and a fresh one for the resume test whose ranks load their
+    model meanwhile (it joins its process group only when that test starts it)."""
+    fresh = PolicyGroup(tiny_qwen2_dir, policy_cfg(2), LOSS, ClusterConfig(), seed=0, num_threads=1, start=False)
     group = PolicyGroup(tiny_qwen2_dir, policy_cfg(2), LOSS, ClusterConfig(), seed=0, num_threads=1)
-    yield group
+    yield group, fresh
     group.close()
+    fresh.close()
+
+
+@pytest.fixture(scope="module")
+def fsdp_group(fsdp_groups):
+    return fsdp_groups[0]
 
 
 def test_cpu_default_is_the_gloo_all_reduce_and_true_shards():
@@ -164,45 +173,43 @@ def test_fsdp_ranks_match_one_worker_and_refit_full_weights(fsdp_group, tiny_qwe
     assert "lm_head.weight" not in w1  # tied: sent once, as the embedding
 
 
-def test_fsdp_checkpoint_round_trips_bitwise_and_resumes_exactly(fsdp_group, tiny_qwen2_dir, tmp_path):
+def test_fsdp_checkpoint_round_trips_bitwise_and_resumes_exactly(fsdp_groups, tiny_qwen2_dir, tmp_path):
     """Save the sharded ranks after a step; a fresh sharded group and an unsharded worker load
     it bitwise (weights, momentum buffers), write it back byte-identical in the unsharded format,
     and take the same next step as the group that never stopped."""
+    fsdp_group, resumed = fsdp_groups
     ray.get(fsdp_group.train.remote(prepare(make_batch(8, seed=1), group_logprobs(fsdp_group))))
     saved = tmp_path / "saved"
     ray.get(fsdp_group.save.remote(str(saved)))
-    resumed = PolicyGroup(tiny_qwen2_dir, policy_cfg(2), LOSS, ClusterConfig(), seed=0, num_threads=1)
-    try:
-        ray.get(resumed.load.remote(str(saved)))
-        ray.get(resumed.save.remote(str(tmp_path / "resaved")))
-        single = single_worker(tiny_qwen2_dir)
-        single.load(str(saved))
-        single.save(str(tmp_path / "unsharded"))
-        for copy in ("resaved", "unsharded"):
-            assert_checkpoints_equal(saved, tmp_path / copy)
-        assert_state_equal(single.optimizer.state_dict(), torch.load(saved / "optimizer.pt", weights_only=False))
-        assert_state_equal(ray.get(resumed.weights.remote()), ray.get(fsdp_group.weights.remote()))
+    resumed.start()
+    ray.get(resumed.load.remote(str(saved)))
+    ray.get(resumed.save.remote(str(tmp_path / "resaved")))
+    single = single_worker(tiny_qwen2_dir)
+    single.load(str(saved))
+    single.save(str(tmp_path / "unsharded"))
+    for copy in ("resaved", "unsharded"):
+        assert_checkpoints_equal(saved, tmp_path / copy)
+    assert_state_equal(single.optimizer.state_dict(), torch.load(saved / "optimizer.pt", weights_only=False))
+    assert_state_equal(ray.get(resumed.weights.remote()), ray.get(fsdp_group.weights.remote()))
 
-        nxt = make_batch(8, seed=2)
-        m_cont = ray.get(fsdp_group.train.remote(prepare(nxt, group_logprobs(fsdp_group))))
-        m_res = ray.get(resumed.train.remote(prepare(nxt, group_logprobs(resumed))))
-        m_one = single.train(prepare(nxt, single.logprobs))
-        assert m_res == m_cont
-        assert_state_equal(ray.get(resumed.weights.remote()), ray.get(fsdp_group.weights.remote()))
-        assert_metrics_close(m_one, m_cont)
-        assert_close_rel(single.weights(), ray.get(fsdp_group.weights.remote()), "unsharded resume")
+    nxt = make_batch(8, seed=2)
+    m_cont = ray.get(fsdp_group.train.remote(prepare(nxt, group_logprobs(fsdp_group))))
+    m_res = ray.get(resumed.train.remote(prepare(nxt, group_logprobs(resumed))))
+    m_one = single.train(prepare(nxt, single.logprobs))
+    assert m_res == m_cont
+    assert_state_equal(ray.get(resumed.weights.remote()), ray.get(fsdp_group.weights.remote()))
+    assert_metrics_close(m_one, m_cont)
+    assert_close_rel(single.weights(), ray.get(fsdp_group.weights.remote()), "unsharded resume")
 
-        # Rank 0 alone reads the checkpoint; a bad one fails on every rank instead of hanging one.
-        bad = tmp_path / "bad"
-        shutil.copytree(saved, bad)
-        weights = load_file(bad / "model" / "model.safetensors")
-        weights.pop("model.norm.weight")
-        save_file(weights, bad / "model" / "model.safetensors", metadata={"format": "pt"})
-        for ref in [worker.load.remote(str(bad)) for worker in resumed.workers]:
-            with pytest.raises(ray.exceptions.RayTaskError, match="missing \\['model.norm.weight'\\]"):
-                ray.get(ref, timeout=120)
-    finally:
-        resumed.close()
+    # Rank 0 alone reads the checkpoint; a bad one fails on every rank instead of hanging one.
+    bad = tmp_path / "bad"
+    shutil.copytree(saved, bad)
+    weights = load_file(bad / "model" / "model.safetensors")
+    weights.pop("model.norm.weight")
+    save_file(weights, bad / "model" / "model.safetensors", metadata={"format": "pt"})
+    for ref in [worker.load.remote(str(bad)) for worker in resumed.workers]:
+        with pytest.raises(ray.exceptions.RayTaskError, match="missing \\['model.norm.weight'\\]"):
+            ray.get(ref, timeout=120)
 
 
 def assert_checkpoints_equal(a: Path, b: Path) -> None:
