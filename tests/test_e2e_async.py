@@ -32,11 +32,6 @@ def grpo_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "grpo_cli.main", "train", *args]
 
 
-def run_grpo(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(grpo_cmd(*args), capture_output=True, text=True, cwd=cwd, timeout=600,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-
 def start_grpo(*args: str, cwd: Path) -> subprocess.Popen:
     """A run in the background: start-up (Ray, vLLM) is mostly waiting, so two runs side by side
     take far less wall time than one after the other; their results do not depend on timing."""
@@ -44,9 +39,11 @@ def start_grpo(*args: str, cwd: Path) -> subprocess.Popen:
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
 
 
-def finish(proc: subprocess.Popen) -> None:
+def finish(proc: subprocess.Popen) -> str:
+    """Wait for a background run; its stderr."""
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-4000:]
+    return err
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -100,20 +97,23 @@ def test_kill_and_resume_trains_every_prompt_once_within_the_age_bound(tmp_path)
         time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    finish(uninterrupted)
-    records = buffer_records(straight / "checkpoints" / "step_6")
-    # One step behind: step s trains on groups from weights s-2 (s-1 at the first step), never older.
-    assert [r["step"] for r in records] == [s for s in range(1, 7) for _ in range(8)]
-    assert all(0 <= r["age"] <= 1 and not r["dropped"] for r in records)
-    assert [r["age"] for r in records if r["step"] > 1] == [1] * 40
-    val = [r for r in metrics(straight) if r["split"] == "val"]
-    assert [r["step"] for r in val] == [0, 6]
-    assert val[1]["accuracy"] > val[0]["accuracy"]  # async training raises held-out accuracy
-
     assert torch.load(resumed / "checkpoints" / "step_3" / "collector.pt")["next_target"] == 5
-    result = run_grpo("--run-dir", str(resumed), *common, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "resumed from" in result.stderr
+    # The resumed run starts up while the uninterrupted one finishes its last steps.
+    resume = start_grpo("--run-dir", str(resumed), *common, cwd=tmp_path)
+    try:
+        finish(uninterrupted)
+        records = buffer_records(straight / "checkpoints" / "step_6")
+        # One step behind: step s trains on groups from weights s-2 (s-1 at the first step), never older.
+        assert [r["step"] for r in records] == [s for s in range(1, 7) for _ in range(8)]
+        assert all(0 <= r["age"] <= 1 and not r["dropped"] for r in records)
+        assert [r["age"] for r in records if r["step"] > 1] == [1] * 40
+        val = [r for r in metrics(straight) if r["split"] == "val"]
+        assert [r["step"] for r in val] == [0, 6]
+        assert val[1]["accuracy"] > val[0]["accuracy"]  # async training raises held-out accuracy
+        assert "resumed from" in finish(resume)
+    finally:
+        if resume.poll() is None:
+            os.killpg(resume.pid, signal.SIGKILL)
 
     # Every prompt was trained on exactly once, at the same step and from the same weights.
     assert buffer_records(resumed / "checkpoints" / "step_6") == records

@@ -211,13 +211,8 @@ def build_components(cfg: GRPOMasterConfig, model_path: str) -> Components:
     from grpo_train.generation.group import GeneratorGroup
     from grpo_train.policy.group import PolicyGroup
 
-    tokenizer_path = resolve_model_path(cfg.policy.tokenizer.name, "policy.tokenizer.name") if cfg.policy.tokenizer.name else model_path
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    train_sets, val_set = build_datasets(cfg, tokenizer)
-    train_data = build_train_iterator(cfg, train_sets)
-    val_datums = [val_set[i] for i in range(min(len(val_set), cfg.grpo.max_val_samples))] if val_set is not None else []
-
-    envs = build_envs(cfg)
+    # The actors start first: the engine's start-up is the longest wait of a launch, and the
+    # tokenizer, the datasets and the environments are built meanwhile.
     threads = threads_per_actor()
     policy = PolicyGroup(model_path, cfg.policy, cfg.loss_fn, cfg.cluster, cfg.grpo.seed, num_threads=threads,
                          colocated_generation=cfg.policy.generation.colocated.enabled, start=False)
@@ -243,5 +238,11 @@ def build_components(cfg: GRPOMasterConfig, model_path: str) -> Components:
                                    colocated=gen_cfg.colocated.enabled, policy_placement_group=policy.placement_group,
                                    separate_gpus=(resources.gpus_per_node or 0) * (resources.num_nodes or 1), **gen_kwargs)
         generator = engines[0] if len(engines) == 1 else GeneratorGroup(engines)
+    tokenizer_path = resolve_model_path(cfg.policy.tokenizer.name, "policy.tokenizer.name") if cfg.policy.tokenizer.name else model_path
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    train_sets, val_set = build_datasets(cfg, tokenizer)
+    train_data = build_train_iterator(cfg, train_sets)
+    val_datums = [val_set[i] for i in range(min(len(val_set), cfg.grpo.max_val_samples))] if val_set is not None else []
+    envs = build_envs(cfg)
     attach_generators(cfg, policy, generator)
     return Components(model_path, tokenizer, train_data, val_datums, envs, policy, generator, train_sets)
