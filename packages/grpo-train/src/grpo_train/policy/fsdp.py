@@ -7,8 +7,9 @@ per decoder layer plus the root, gradients summed across ranks; and move state b
 sharded layout and the full tensors one unsharded worker holds. A sharded checkpoint is
 therefore written in the unsharded format (HF safetensors, `optimizer.state_dict()` keyed by
 parameter index) and loads on either side.
-Every function that gathers (`full_*`, `total_grad_norm`) is a collective: all ranks call it,
-in the same order. Boundary: knows nothing of losses, batches, files or Ray.
+Every function that gathers, broadcasts or scatters (`full*`, `clip_grad_norm`, `broadcast_object`,
+`scatter_*`) is a collective: all ranks call it, in the same order. Boundary: knows nothing of
+losses, batches, files or Ray.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ Job: place N `PolicyWorker` Ray actors with a placement group (one bundle per ra
 on CPU machines, `{"GPU": 1, "CPU": 1}` on GPUs), join them in one torch.distributed group
 (NCCL on GPUs, gloo on CPU; FSDP2-sharded as `policy.dtensor_cfg.enabled` says, on GPUs by
 default), and split each call's rows across the ranks (a rank may get none: it still takes part
-in every collective). The group
-has the worker's method names and is called the same way, `group.<method>.remote(...)` giving
-one ObjectRef, so `sync_loop` and `train_step` run 1 or N workers unchanged.
+in every collective). The group has the worker's method names and is called the same way,
+`group.<method>.remote(...)` giving one ObjectRef, so `sync_loop` and `train_step` run 1 or N
+workers unchanged.
 
 Each call blocks until every rank is done and returns `ray.put` of the combined result (rows
 concatenated, metrics reduced as the loss defines them); weights come from rank 0 by reference.

@@ -24,6 +24,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # Metrics of clipped_pg_loss that are min/max rather than partial sums.
 _MIN_METRICS = ("ratio_min", "clipped_ratio_min")
 _MAX_METRICS = ("ratio_max", "clipped_ratio_max")
+# Tokenizer files of the source model that a checkpoint's model folder carries along, so that the
+# folder loads alone (vLLM in `grpo eval --checkpoint` reads its tokenizer from the model folder).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
 
 
 def read_checkpoint(folder: Path) -> dict:
@@ -58,6 +62,7 @@ class PolicyWorker:
         self.cfg = policy_cfg
         self.loss_cfg = pg_loss_config(loss_cfg)
         self.rank, self.world_size = rank, world_size
+        self.model_path = model_path
         self.temperature = policy_cfg.generation.temperature
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[policy_cfg.precision])
         self.model.train()
@@ -234,9 +239,17 @@ class PolicyWorker:
             return
         folder = Path(folder)
         self.model.save_pretrained(folder / "model", state_dict=model_state, safe_serialization=True)
+        self._copy_tokenizer(folder / "model")
         atomic_torch_save(optimizer_state, folder / "optimizer.pt")
         atomic_torch_save(self.scheduler.state_dict(), folder / "scheduler.pt")
         atomic_torch_save(torch.get_rng_state(), folder / "torch_rng.pt")
+
+    def _copy_tokenizer(self, folder: Path) -> None:
+        import shutil
+
+        for name in TOKENIZER_FILES:
+            if (Path(self.model_path) / name).is_file():
+                shutil.copyfile(Path(self.model_path) / name, folder / name)
 
     def load(self, folder: str) -> None:
         """Load a checkpoint, whichever layout saved it. Unsharded: every rank reads it. FSDP2:
