@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import ray
 import torch
-
+from grpo_train.actor_group import combine_rank_metrics, shard_steps
 from grpo_train.config import ConfigError, validate_config_dict
 from grpo_train.config.schema import ClusterConfig, ValueConfig, ValueLossConfig
-from grpo_train.ppo.value_group import ValueGroup, combine_rank_metrics, shard_steps
+from grpo_train.ppo.value_group import ValueGroup
 from grpo_train.ppo.value_worker import HEAD_FILE, ValueWorker
 
 torch.set_num_threads(1)

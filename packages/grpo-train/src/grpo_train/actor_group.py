@@ -3,10 +3,19 @@
 Job: the calling convention shared by `PolicyGroup` (data-parallel trainers) and
 `GeneratorGroup` (data-parallel engines), so a loop drives one actor or N the same way.
 A group method fans out to its actors, combines their answers and returns one ObjectRef.
+The data-parallel helpers below (row shards per optimizer step, metric merging, gradient sum)
+serve the policy and the value groups alike.
 Boundary: no knowledge of what the actors compute.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+from grpo_train.batch import batch_size
 
 
 class _RemoteCall:
@@ -34,3 +43,59 @@ def split_rows(n: int, parts: int) -> list[slice]:
     """Contiguous, near-equal row ranges, one per member (empty ranges when n < parts)."""
     bounds = [n * r // parts for r in range(parts + 1)]
     return [slice(bounds[r], bounds[r + 1]) for r in range(parts)]
+
+
+def take_rows(batch: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tensor]:
+    """The rows of every tensor, keeping the batch's width (shards of one batch then concatenate)."""
+    return {key: value[rows] for key, value in batch.items()}
+
+
+def shard_steps(batch: dict[str, torch.Tensor], per_step: int,
+                world_size: int) -> tuple[list[dict[str, torch.Tensor]], list[float], list[float]]:
+    """Each optimizer step's rows (`per_step` of them) split across the ranks, in step order:
+    (one batch per rank, global valid tokens per step, global valid sequences per step)."""
+    n = batch_size(batch)
+    steps = [slice(k * per_step, min((k + 1) * per_step, n)) for k in range(max(1, n // per_step))]
+    tokens, seqs = [], []
+    shards: list[list[dict[str, torch.Tensor]]] = [[] for _ in range(world_size)]
+    for step in steps:
+        step_batch = take_rows(batch, step)
+        tokens.append(float((step_batch["token_mask"] * step_batch["sample_mask"].unsqueeze(1)).sum()))
+        seqs.append(float(step_batch["sample_mask"].sum()))
+        for rank, rows in enumerate(split_rows(batch_size(step_batch), world_size)):
+            shards[rank].append(take_rows(step_batch, rows))
+    return [{k: torch.cat([s[k] for s in shard]) for k in batch} for shard in shards], tokens, seqs
+
+
+def combine_rank_metrics(per_rank: list[dict[str, float]], shared: Iterable[str] = (),
+                         minimum: Iterable[str] = (), maximum: Iterable[str] = ()) -> dict[str, float]:
+    """Loss-like metrics are partial sums of global means, so ranks add up; `minimum`/`maximum`
+    reduce; `shared` ones are the same on every rank (after the all-reduce) and come from the
+    first rank that reports them. A rank given no rows may report fewer keys."""
+    shared, minimum, maximum = set(shared), set(minimum), set(maximum)
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(key for m in per_rank for key in m):
+        values = [m[key] for m in per_rank if key in m]
+        if key in minimum:
+            out[key] = min(values)
+        elif key in maximum:
+            out[key] = max(values)
+        elif key in shared:
+            out[key] = values[0]
+        else:
+            out[key] = math.fsum(values)
+    return out
+
+
+def sum_gradients(parameters: Iterable[torch.nn.Parameter]) -> None:
+    """All-reduce SUM of the gradients over the default process group, as one flat buffer (a
+    rank that ran no micro-batch contributes zeros)."""
+    import torch.distributed as dist
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    params = [p for p in parameters if p.requires_grad]
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    for param, grad in zip(params, _unflatten_dense_tensors(flat, grads)):
+        param.grad = grad

@@ -21,12 +21,10 @@ Boundary: no knowledge of rollouts or of the loop; weight pushes go through a tr
 
 from __future__ import annotations
 
-import math
-
 import ray
 import torch
 
-from grpo_train.actor_group import remote_method, split_rows
+from grpo_train.actor_group import combine_rank_metrics, remote_method, shard_steps, split_rows, take_rows
 from grpo_train.batch import batch_size
 from grpo_train.config.schema import ClusterConfig, LossConfig, PolicyConfig
 
@@ -64,27 +62,10 @@ def place_bundles(bundles: list[dict[str, float]], strategy: str):
     return pg
 
 
-def take_rows(batch: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tensor]:
-    """The rows of every tensor, keeping the batch's width (shards of one batch then concatenate)."""
-    return {key: value[rows] for key, value in batch.items()}
-
-
 def combine_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    """Loss-like metrics are partial sums of global means, so ranks add up; min/max reduce;
-    the gradient norm and lr are the same on every rank (after the all-reduce). A rank given
-    no rows reports only loss, grad_norm and lr."""
-    out: dict[str, float] = {}
-    for key in dict.fromkeys(key for m in per_rank for key in m):
-        values = [m[key] for m in per_rank if key in m]
-        if key in _MIN_METRICS:
-            out[key] = min(values)
-        elif key in _MAX_METRICS:
-            out[key] = max(values)
-        elif key in _SHARED_METRICS:
-            out[key] = values[0]
-        else:
-            out[key] = math.fsum(values)
-    return out
+    """The ranks' train metrics as one worker's: loss-like partial sums add up, ratio min/max
+    reduce, grad norm and lr are shared (a rank given no rows reports only loss, grad_norm, lr)."""
+    return combine_rank_metrics(per_rank, _SHARED_METRICS, _MIN_METRICS, _MAX_METRICS)
 
 
 class PolicyGroup:
@@ -166,19 +147,8 @@ class PolicyGroup:
         """Each optimizer step's rows (train_global_batch_size of them) are split across the
         ranks; each rank gets its share of every step, in step order."""
         self._sleep_generators()
-        n, per_step = batch_size(batch), self.cfg.train_global_batch_size
-        steps = [slice(k * per_step, min((k + 1) * per_step, n)) for k in range(max(1, n // per_step))]
-        tokens, seqs = [], []
-        shards: list[list[dict[str, torch.Tensor]]] = [[] for _ in self.workers]
-        for step in steps:
-            step_batch = take_rows(batch, step)
-            valid = step_batch["token_mask"] * step_batch["sample_mask"].unsqueeze(1)
-            tokens.append(float(valid.sum()))
-            seqs.append(float(step_batch["sample_mask"].sum()))
-            for rank, rows in enumerate(split_rows(batch_size(step_batch), self.world_size)):
-                shards[rank].append(take_rows(step_batch, rows))
-        calls = [w.train.remote({k: torch.cat([s[k] for s in shard]) for k in batch}, tokens, seqs)
-                 for w, shard in zip(self.workers, shards)]
+        shards, tokens, seqs = shard_steps(batch, self.cfg.train_global_batch_size, self.world_size)
+        calls = [w.train.remote(shard, tokens, seqs) for w, shard in zip(self.workers, shards)]
         return ray.put(combine_metrics(ray.get(calls)))
 
     @remote_method

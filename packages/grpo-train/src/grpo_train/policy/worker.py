@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 import grpo_kernels
+from grpo_train.actor_group import sum_gradients
 from grpo_train.batch import batch_size
 from grpo_train.config.schema import LossConfig, PolicyConfig
 from grpo_train.policy import fsdp, microbatch
@@ -343,15 +344,7 @@ class PolicyWorker:
         FSDP2 reduces its own gradients during backward."""
         if self.world_size == 1 or self._sharded:
             return
-        import torch.distributed as dist
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        for param, grad in zip(params, _unflatten_dense_tensors(flat, grads)):
-            param.grad = grad
+        sum_gradients(self.model.parameters())
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """The last optimizer step's (reduced) gradients by parameter name, on CPU (full tensors:

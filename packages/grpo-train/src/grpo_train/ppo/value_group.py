@@ -12,65 +12,23 @@ global valid token and sequence counts; each rank's loss is a partial sum of the
 gradients are summed over ranks, so the step is the single worker's (GRPO-MATH.md). Rank 0
 saves the checkpoint (the single worker's format); every rank loads it.
 
-The module-level helpers (`shard_steps`, `combine_rank_metrics`, `sum_gradients`) are generic
-over workers and belong beside `actor_group.split_rows` in time; the policy group has inline
-twins of them. Boundary: no knowledge of rollouts, advantages or the loop.
+The row sharding, metric merging and gradient sum are `actor_group`'s, shared with the policy
+group. Boundary: no knowledge of rollouts, advantages or the loop.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable
-
 import ray
 import torch
 
-from grpo_train.actor_group import remote_method, split_rows
+from grpo_train.actor_group import combine_rank_metrics, remote_method, shard_steps, split_rows, take_rows
 from grpo_train.batch import batch_size
 from grpo_train.config.schema import ClusterConfig, ValueConfig, ValueLossConfig
-from grpo_train.policy.group import place_bundles, take_rows, worker_bundles
+from grpo_train.policy.group import place_bundles, worker_bundles
 
 # Metrics that are the same on every rank (after the gradient all-reduce); the rest are partial
 # sums of global means and add up over ranks.
 SHARED_METRICS = ("value_grad_norm", "value_lr")
-
-
-def shard_steps(batch: dict[str, torch.Tensor], per_step: int,
-                world_size: int) -> tuple[list[dict[str, torch.Tensor]], list[float], list[float]]:
-    """Each optimizer step's rows (`per_step` of them) split across the ranks, in step order:
-    (one batch per rank, global valid tokens per step, global valid sequences per step)."""
-    n = batch_size(batch)
-    steps = [slice(k * per_step, min((k + 1) * per_step, n)) for k in range(max(1, n // per_step))]
-    tokens, seqs = [], []
-    shards: list[list[dict[str, torch.Tensor]]] = [[] for _ in range(world_size)]
-    for step in steps:
-        step_batch = take_rows(batch, step)
-        tokens.append(float((step_batch["token_mask"] * step_batch["sample_mask"].unsqueeze(1)).sum()))
-        seqs.append(float(step_batch["sample_mask"].sum()))
-        for rank, rows in enumerate(split_rows(batch_size(step_batch), world_size)):
-            shards[rank].append(take_rows(step_batch, rows))
-    return [{k: torch.cat([s[k] for s in shard]) for k in batch} for shard in shards], tokens, seqs
-
-
-def combine_rank_metrics(per_rank: list[dict[str, float]], shared: Iterable[str]) -> dict[str, float]:
-    """Partial sums add up over ranks; `shared` metrics are rank 0's (the same on every rank)."""
-    shared = set(shared)
-    keys = dict.fromkeys(k for m in per_rank for k in m)
-    return {k: per_rank[0][k] if k in shared else math.fsum(m.get(k, 0.0) for m in per_rank) for k in keys}
-
-
-def sum_gradients(parameters: Iterable[torch.nn.Parameter]) -> None:
-    """All-reduce SUM of the gradients over the default process group, as one flat buffer (a
-    rank that ran no micro-batch contributes zeros)."""
-    import torch.distributed as dist
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    params = [p for p in parameters if p.requires_grad]
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = _flatten_dense_tensors(grads)
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    for param, grad in zip(params, _unflatten_dense_tensors(flat, grads)):
-        param.grad = grad
 
 
 def place_value_bundles(cluster: ClusterConfig, num_workers: int):

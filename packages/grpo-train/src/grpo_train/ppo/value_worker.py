@@ -21,7 +21,7 @@ from grpo_train.policy import microbatch
 from grpo_train.policy.logprobs import use_packed_attention
 from grpo_train.policy.optim import build_optimizer, build_scheduler
 from grpo_train.policy.worker import DTYPES, NonFiniteLossError
-from grpo_train.ppo.value_group import sum_gradients
+from grpo_train.actor_group import sum_gradients
 from grpo_train.ppo.value_loss import value_loss_fn
 
 HEAD_FILE = "value_head.safetensors"
