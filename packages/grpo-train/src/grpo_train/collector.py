@@ -187,6 +187,6 @@ class TrajectoryCollector:
 
 def make_collector_actor(cfg, shared: SharedParts, generator, buffer, last_step: int, next_target: int,
                          version: int, dataloader_state: dict | None):
-    """Start a `TrajectoryCollector` as an async Ray actor (concurrent calls: push, hold, stats)."""
+    """Start a `TrajectoryCollector` as an async Ray actor (concurrent calls: hold, weights_loaded, stats)."""
     return ray.remote(num_cpus=0, max_concurrency=16)(TrajectoryCollector).remote(
         cfg, shared, generator, buffer, last_step, next_target, version, dataloader_state)
