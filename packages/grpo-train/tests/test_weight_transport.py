@@ -46,6 +46,18 @@ def test_bucket_plan_keeps_order_dtype_and_size():
     assert [metas[i].name for i in buckets[1]] == ["big"]  # larger than a bucket: alone
 
 
+def test_tensor_metadata_survives_plain_rows():
+    """An AsyncLLM engine gets the metadata through vLLM's msgpack RPC, as plain rows."""
+    from grpo_train.weight_transport import TensorMeta
+
+    metas = tensor_metadata(sample_tensors().items())
+    rows = [m.to_row() for m in metas]
+    assert all(isinstance(r, list) and isinstance(r[1], list) for r in rows)
+    back = [TensorMeta.from_row(tuple(r)) for r in rows]
+    assert back == metas and [TensorMeta.from_row(m) for m in metas] == metas
+    assert plan_buckets(back, 2 * KIB) == plan_buckets(metas, 2 * KIB)
+
+
 def test_buckets_round_trip_over_a_real_gloo_group(ray_session):
     tensors = sample_tensors()
     metas = tensor_metadata(tensors.items())
