@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+import ray
 import torch
 
 from grpo_train.batch import batch_size
@@ -37,6 +38,45 @@ class remote_method:  # noqa: N801 - used as a decorator, named like one
 
     def __get__(self, group, owner=None):
         return self if group is None else _RemoteCall(group, self._fn)
+
+
+class RankGroup:
+    """What the data-parallel groups share: their ranks (`workers`, Ray actors with `free_address`,
+    `init_distributed`, `ping`, `whereabouts`) placed in `placement_group`, joined in one
+    torch.distributed group by `start`. Subclasses set both attributes and `_started = False`."""
+
+    workers: list
+    placement_group: object
+    _started: bool
+
+    def start(self) -> None:
+        """Wait for the ranks to load and join their process group (construction returns while
+        they load, so other actors can start meanwhile)."""
+        if not self._started:
+            host, port = ray.get(self.workers[0].free_address.remote())
+            self._joined(ray.get([w.init_distributed.remote(host, port) for w in self.workers]))
+            self._started = True
+
+    def _joined(self, answers: list) -> None:
+        """The ranks' answers to `init_distributed`, for subclasses that need them."""
+
+    @property
+    def rank0(self):
+        return self.workers[0]
+
+    @remote_method
+    def ping(self):
+        ray.get([w.ping.remote() for w in self.workers])
+        return self.rank0.ping.remote()
+
+    @remote_method
+    def whereabouts(self):
+        return ray.put(ray.get([w.whereabouts.remote() for w in self.workers]))
+
+    def close(self) -> None:
+        for worker in self.workers:
+            ray.kill(worker)
+        ray.util.remove_placement_group(self.placement_group)
 
 
 def split_rows(n: int, parts: int) -> list[slice]:

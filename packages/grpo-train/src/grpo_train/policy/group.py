@@ -24,7 +24,7 @@ from __future__ import annotations
 import ray
 import torch
 
-from grpo_train.actor_group import combine_rank_metrics, remote_method, shard_steps, split_rows, take_rows
+from grpo_train.actor_group import RankGroup, combine_rank_metrics, remote_method, shard_steps, split_rows, take_rows
 from grpo_train.batch import batch_size
 from grpo_train.config.schema import ClusterConfig, LossConfig, PolicyConfig
 
@@ -68,7 +68,7 @@ def combine_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     return combine_rank_metrics(per_rank, _SHARED_METRICS, _MIN_METRICS, _MAX_METRICS)
 
 
-class PolicyGroup:
+class PolicyGroup(RankGroup):
     """N data-parallel `PolicyWorker` actors behind the worker's method names."""
 
     def __init__(self, model_path: str, policy_cfg: PolicyConfig, loss_cfg: LossConfig, cluster: ClusterConfig,
@@ -100,13 +100,8 @@ class PolicyGroup:
         if start:
             self.start()
 
-    def start(self) -> None:
-        """Wait for the ranks to load and join their process group (construction returns while
-        they load, so a generator can start meanwhile)."""
-        if not self._started:
-            host, port = ray.get(self.workers[0].free_address.remote())
-            self._sharded = any(ray.get([w.init_distributed.remote(host, port) for w in self.workers]))
-            self._started = True
+    def _joined(self, answers: list) -> None:
+        self._sharded = any(answers)  # each rank says whether it sharded with FSDP2
 
     def attach(self, transport, generators: list) -> None:
         """Connect the weight transport to the generation engines (`push_weights` uses it);
@@ -122,10 +117,6 @@ class PolicyGroup:
         if self.transport is None:
             raise RuntimeError("PolicyGroup.push_weights before attach(transport, generators)")
         self.transport.push(self, self.generators, version)
-
-    @property
-    def rank0(self):
-        return self.workers[0]
 
     # -------------------------------------------------------------------------- scoring
     @remote_method
@@ -173,15 +164,6 @@ class PolicyGroup:
         ray.get([w.load.remote(folder) for w in self.workers])
         return ray.put(None)
 
-    @remote_method
-    def ping(self):
-        ray.get([w.ping.remote() for w in self.workers])
-        return self.rank0.ping.remote()
-
-    @remote_method
-    def whereabouts(self):
-        return ray.put(ray.get([w.whereabouts.remote() for w in self.workers]))
-
     # ------------------------------------------------ weight transports (rank 0 is the source)
     @remote_method
     def free_address(self):
@@ -226,9 +208,4 @@ class PolicyGroup:
         if self.colocated_generators and not self._generators_awake:
             ray.get([g.wake_up.remote() for g in self.colocated_generators])
             self._generators_awake = True
-
-    def close(self) -> None:
-        for worker in self.workers:
-            ray.kill(worker)
-        ray.util.remove_placement_group(self.placement_group)
 

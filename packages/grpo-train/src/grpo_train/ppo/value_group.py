@@ -21,7 +21,7 @@ from __future__ import annotations
 import ray
 import torch
 
-from grpo_train.actor_group import combine_rank_metrics, remote_method, shard_steps, split_rows, take_rows
+from grpo_train.actor_group import RankGroup, combine_rank_metrics, remote_method, shard_steps, split_rows, take_rows
 from grpo_train.batch import batch_size
 from grpo_train.config.schema import ClusterConfig, ValueConfig, ValueLossConfig
 from grpo_train.policy.group import place_bundles, worker_bundles
@@ -43,7 +43,7 @@ def place_value_bundles(cluster: ClusterConfig, num_workers: int):
                            f"generation ({exc})") from None
 
 
-class ValueGroup:
+class ValueGroup(RankGroup):
     """N data-parallel `ValueWorker` actors behind the worker's method names."""
 
     def __init__(self, model_path: str, cfg: ValueConfig, loss_cfg: ValueLossConfig, cluster: ClusterConfig,
@@ -67,18 +67,6 @@ class ValueGroup:
         self._started = False
         if start:
             self.start()
-
-    def start(self) -> None:
-        """Wait for the ranks to load and join their process group (construction returns while
-        they load, so the policy and generator can start meanwhile)."""
-        if not self._started:
-            host, port = ray.get(self.workers[0].free_address.remote())
-            ray.get([w.init_distributed.remote(host, port) for w in self.workers])
-            self._started = True
-
-    @property
-    def rank0(self):
-        return self.workers[0]
 
     @remote_method
     def values(self, batch: dict[str, torch.Tensor]):
@@ -110,16 +98,3 @@ class ValueGroup:
     def gradients(self):
         return self.rank0.gradients.remote()
 
-    @remote_method
-    def ping(self):
-        ray.get([w.ping.remote() for w in self.workers])
-        return self.rank0.ping.remote()
-
-    @remote_method
-    def whereabouts(self):
-        return ray.put(ray.get([w.whereabouts.remote() for w in self.workers]))
-
-    def close(self) -> None:
-        for worker in self.workers:
-            ray.kill(worker)
-        ray.util.remove_placement_group(self.placement_group)
