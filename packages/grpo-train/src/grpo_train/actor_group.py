@@ -11,7 +11,7 @@ Boundary: no knowledge of what the actors compute.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import ray
 import torch
@@ -105,6 +105,25 @@ def shard_steps(batch: dict[str, torch.Tensor], per_step: int,
         for rank, rows in enumerate(split_rows(batch_size(step_batch), world_size)):
             shards[rank].append(take_rows(step_batch, rows))
     return [{k: torch.cat([s[k] for s in shard]) for k in batch} for shard in shards], tokens, seqs
+
+
+def run_optimizer_steps(batch: dict[str, torch.Tensor], per_step: int, global_valid_tokens: list[float] | None,
+                        global_valid_seqs: list[float] | None,
+                        step: Callable[[dict[str, torch.Tensor], float, float], dict[str, float]]) -> dict[str, float]:
+    """A rank's side of `shard_steps`: `step(rows, tokens, seqs)` on each optimizer step's rows
+    (`per_step` of this rank's rows each), with the step's global valid token and sequence counts
+    (counted locally when not given, for one worker; at least 1); the steps' mean metrics."""
+    n = batch_size(batch)
+    num_steps = max(1, n // per_step)
+    metrics: dict[str, float] = {}
+    for k in range(num_steps):
+        step_batch = take_rows(batch, slice(k * per_step, min((k + 1) * per_step, n)))
+        valid = step_batch["token_mask"] * step_batch["sample_mask"].unsqueeze(1)
+        tokens = global_valid_tokens[k] if global_valid_tokens else float(valid.sum())
+        seqs = global_valid_seqs[k] if global_valid_seqs else float(step_batch["sample_mask"].sum())
+        for key, value in step(step_batch, max(tokens, 1.0), max(seqs, 1.0)).items():
+            metrics[key] = metrics.get(key, 0.0) + value / num_steps
+    return metrics
 
 
 def combine_rank_metrics(per_rank: list[dict[str, float]], shared: Iterable[str] = (),

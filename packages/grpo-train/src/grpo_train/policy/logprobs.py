@@ -61,24 +61,31 @@ def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention
     return F.pad(lp.view(B, S - 1).float(), (1, 0))
 
 
-def packed_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                    max_seqlen: int, temperature: float, fused: bool = True, chunk_size: int | None = None) -> torch.Tensor:
-    """log p(x_t | x_<t) of a packed stream: [T] fp32, 0 at the first token of every sequence.
+def packed_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                         cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+    """The last hidden states of a packed stream: [T, H]. `model` is an HF causal LM or a bare
+    backbone (its `base_model` runs); it is switched to an attention that honours the boundaries
+    first (see the module docstring).
 
     input_ids, position_ids: [T] int64 (positions restart at 0 per sequence); cu_seqlens [n + 1]
-    must cover all T tokens (a padding tail is a sequence of its own). Switches `model` to an
-    attention that honours the boundaries first (see the module docstring).
+    must cover all T tokens (a padding tail is a sequence of its own).
     """
     if int(cu_seqlens[-1]) != input_ids.shape[0]:
         raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])} but the stream has {input_ids.shape[0]} tokens; "
                          "give a padding tail a segment of its own")
     use_packed_attention(model)
     cu = cu_seqlens.to(device=input_ids.device, dtype=torch.int32)  # flash-attention wants int32
-    backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(
+    return model.base_model(
         input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=_NO_MASKS, use_cache=False,
         cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_seqlen, max_length_k=max_seqlen,
     ).last_hidden_state[0]  # [T, H]
+
+
+def packed_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                    max_seqlen: int, temperature: float, fused: bool = True, chunk_size: int | None = None) -> torch.Tensor:
+    """log p(x_t | x_<t) of a packed stream: [T] fp32, 0 at the first token of every sequence
+    (inputs as in `packed_hidden_states`)."""
+    hidden = packed_hidden_states(model, input_ids, position_ids, cu_seqlens, max_seqlen)  # [T, H]
     # With cu_seqlens the op scores input_ids[t + 1] at t inside each sequence (0 at its last token).
     lp = _target_logprobs(model, hidden, input_ids, temperature, fused, chunk_size, cu_seqlens=cu_seqlens.to(input_ids.device))
     return F.pad(lp[:-1].float(), (1, 0))  # [T]: token t holds log p(x_t | x_<t)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 import grpo_kernels
-from grpo_train.actor_group import sum_gradients
+from grpo_train.actor_group import run_optimizer_steps, sum_gradients
 from grpo_train.batch import batch_size
 from grpo_train.config.schema import LossConfig, PolicyConfig
 from grpo_train.policy import fsdp, microbatch
@@ -164,20 +164,8 @@ class PolicyWorker:
         `batch` must hold prev_logprobs (and ref_logprobs when beta > 0). The global counts are
         per optimizer step over all data-parallel ranks; computed locally for one worker.
         """
-        n = batch_size(batch)
         per_step = self.cfg.train_global_batch_size // self.world_size
-        num_steps = max(1, n // per_step)
-        metrics: dict[str, float] = {}
-        for k in range(num_steps):
-            rows = slice(k * per_step, min((k + 1) * per_step, n))
-            step_batch = {key: v[rows] for key, v in batch.items()}
-            valid = step_batch["token_mask"] * step_batch["sample_mask"].unsqueeze(1)
-            tokens = global_valid_tokens[k] if global_valid_tokens else float(valid.sum())
-            seqs = global_valid_seqs[k] if global_valid_seqs else float(step_batch["sample_mask"].sum())
-            step_metrics = self._optimizer_step(step_batch, max(tokens, 1.0), max(seqs, 1.0))
-            for key, value in step_metrics.items():
-                metrics[key] = metrics.get(key, 0.0) + value / num_steps
-        return metrics
+        return run_optimizer_steps(batch, per_step, global_valid_tokens, global_valid_seqs, self._optimizer_step)
 
     def _optimizer_step(self, batch: dict[str, torch.Tensor], global_tokens: float, global_seqs: float) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)

@@ -15,19 +15,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from grpo_train.actor_group import run_optimizer_steps, sum_gradients
 from grpo_train.batch import batch_size
 from grpo_train.config.schema import ValueConfig, ValueLossConfig
 from grpo_train.policy import microbatch
-from grpo_train.policy.logprobs import use_packed_attention
+from grpo_train.policy.logprobs import packed_hidden_states
 from grpo_train.policy.optim import build_optimizer, build_scheduler
 from grpo_train.policy.worker import DTYPES, NonFiniteLossError
-from grpo_train.actor_group import sum_gradients
 from grpo_train.ppo.value_loss import value_loss_fn
 
 HEAD_FILE = "value_head.safetensors"
-# A transformers-5 decoder given this mask mapping builds no mask: packed forwards pass the
-# sequence boundaries to the attention instead (as policy.logprobs does for the policy).
-SKIP_MASKS = {"full_attention": None, "sliding_attention": None}
 
 
 class ValueModel(torch.nn.Module):
@@ -51,13 +48,8 @@ class ValueModel(torch.nn.Module):
 
     def forward_packed(self, packed: microbatch.PackedRows) -> torch.Tensor:
         """The same values for a packed stream's rows: [n, longest row], 0 past each row's end."""
-        use_packed_attention(self.backbone)
-        cu = packed.cu_seqlens.to(device=packed.input_ids.device, dtype=torch.int32)
-        hidden = self.backbone(
-            input_ids=packed.input_ids[None], position_ids=packed.position_ids[None], attention_mask=SKIP_MASKS,
-            use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=packed.max_seqlen,
-            max_length_k=packed.max_seqlen,
-        ).last_hidden_state[0]  # [T, H]
+        hidden = packed_hidden_states(self.backbone, packed.input_ids, packed.position_ids, packed.cu_seqlens,
+                                      packed.max_seqlen)  # [T, H]
         rows = microbatch.unpack_rows(self.head(hidden).squeeze(-1).float(), packed)  # [n, L]: head(h_t) at t
         L = rows.shape[1]
         lengths = packed.cu_seqlens[: packed.num_rows + 1].diff().to(rows.device)  # [n]
@@ -127,18 +119,8 @@ class ValueWorker:
         The global counts are per optimizer step over all data-parallel ranks (this rank holds
         global_batch_size / world_size rows of each step); computed locally for one worker.
         """
-        n = batch_size(batch)
         per_step = max(1, self.global_batch_size // self.world_size)
-        num_steps = max(1, n // per_step)
-        metrics: dict[str, float] = {}
-        for k in range(num_steps):
-            step_batch = {key: v[k * per_step: min((k + 1) * per_step, n)] for key, v in batch.items()}
-            valid = step_batch["token_mask"] * step_batch["sample_mask"].unsqueeze(1)
-            tokens = global_valid_tokens[k] if global_valid_tokens else float(valid.sum())
-            seqs = global_valid_seqs[k] if global_valid_seqs else float(step_batch["sample_mask"].sum())
-            for key, value in self._optimizer_step(step_batch, max(tokens, 1.0), max(seqs, 1.0)).items():
-                metrics[key] = metrics.get(key, 0.0) + value / num_steps
-        return metrics
+        return run_optimizer_steps(batch, per_step, global_valid_tokens, global_valid_seqs, self._optimizer_step)
 
     def _optimizer_step(self, batch: dict[str, torch.Tensor], tokens: float, seqs: float) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
