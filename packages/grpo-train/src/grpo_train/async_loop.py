@@ -5,8 +5,9 @@ buffer (`replay_buffer.py`); this loop trains on them. One step: take the groups
 this step (waiting if generation is behind) -> advantages -> prev/ref logprobs -> train -> push
 weights over the run's transport (object_store or collective) and tell the collector (+ refit
 check) -> log -> validate -> checkpoint. Every phase is the sync loop's component; what differs
-is where the groups come from and how old their weights are: step s trains at weight version s - 1 on groups generated at versions >= s - 1 -
-max_trajectory_age_steps, and the loss's importance-sampling correction accounts for the gap.
+is where the groups come from and how old their weights are: step s trains at weight version
+s - 1 on groups generated at versions >= s - 1 - max_trajectory_age_steps, and the loss's
+importance-sampling correction accounts for the gap.
 
 Metrics of the pipeline (`async/`): trajectory age mean/max, buffer size after the take,
 generation idle time, trainer starvation time (waiting for groups) and exposed generation time
@@ -116,8 +117,8 @@ def push_weights(cfg: GRPOMasterConfig, parts, collector, version: int) -> None:
     """The trained weights into the engine over the run's weight transport (attached in setup),
     with the async engine's pause options; then the collector may generate with them."""
     flags = cfg.grpo.async_grpo
-    parts.policy.transport.push(parts.policy, parts.policy.generators, version, in_flight=flags.in_flight_weight_updates,
-                                reset_running_kv=flags.recompute_kv_cache_after_weight_updates)
+    parts.policy.push_weights(version, in_flight=flags.in_flight_weight_updates,
+                              reset_running_kv=flags.recompute_kv_cache_after_weight_updates)
     ray.get(collector.weights_loaded.remote(version))
 
 

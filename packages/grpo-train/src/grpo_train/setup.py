@@ -204,7 +204,6 @@ def attach_generators(cfg: GRPOMasterConfig, policy, generator) -> None:
 
 
 def build_components(cfg: GRPOMasterConfig, model_path: str) -> Components:
-    import ray
     from transformers import AutoTokenizer
 
     from grpo_train.generation.actor import place_generators

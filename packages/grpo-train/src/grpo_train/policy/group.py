@@ -112,11 +112,12 @@ class PolicyGroup(RankGroup):
             self.colocated_generators = list(generators)
         transport.connect(self, self.generators)
 
-    def push_weights(self, version: int) -> None:
-        """The trained weights into every attached engine, over the attached transport."""
+    def push_weights(self, version: int, **options) -> None:
+        """The trained weights into every attached engine, over the attached transport; `options`
+        go to each engine's receiving call (the async engine's pause options)."""
         if self.transport is None:
             raise RuntimeError("PolicyGroup.push_weights before attach(transport, generators)")
-        self.transport.push(self, self.generators, version)
+        self.transport.push(self, self.generators, version, **options)
 
     # -------------------------------------------------------------------------- scoring
     @remote_method
