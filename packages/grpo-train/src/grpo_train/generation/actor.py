@@ -45,21 +45,6 @@ class GenerationActor:
         """Seconds the generator took to start; call it to wait for the actor."""
         return float(getattr(self.generator, "start_seconds", 0.0))
 
-    def reseed(self, seed: int) -> None:
-        """Seed this process's RNGs, which the in-process engine samples from.
-
-        Called with a per-step seed by the loops, so a resumed run draws exactly the samples
-        the uninterrupted run drew (requests themselves are never seeded: SETUP-NOTES).
-        """
-        import random
-
-        import numpy as np
-        import torch
-
-        random.seed(seed)
-        np.random.seed(seed % (1 << 32))
-        torch.manual_seed(seed)
-
     def generate(self, prompts, sampling):
         return self.generator.generate(prompts, sampling)
 
@@ -73,6 +58,7 @@ class GenerationActor:
         return self.generator.weight_version()
 
     def reseed(self, seed: int) -> None:
+        """The engine's sampling streams restart at `seed` (the loops reseed every step)."""
         self.generator.reseed(seed)
 
     def num_truncated_prompts(self) -> int:
