@@ -106,8 +106,10 @@ def test_dual_clip_with_negative_advantages_by_hand():
 
 
 # Three tokens with logr = ref - curr = 0.5, 3 and -3; input clamp 2, output clamp 1.5, beta 0.5.
+# These pin the detached KL weight (kl_true_gradient=False); test_pg_loss_variants.py the other.
 KL_CASE = dict(curr=[[0.0, 0.0, 0.0]], prev=[[0.0, 0.0, 0.0]], ref=[[0.5, 3.0, -3.0]])
-KL_CLAMPS = dict(reference_policy_kl_penalty=0.5, kl_input_clamp_value=2.0, kl_output_clamp_value=1.5)
+KL_CLAMPS = dict(reference_policy_kl_penalty=0.5, kl_input_clamp_value=2.0, kl_output_clamp_value=1.5,
+                 kl_true_gradient=False)
 
 
 @pytest.mark.parametrize(

@@ -563,72 +563,131 @@ def clipped_pg_loss(
     def reduce_tok(t: torch.Tensor) -> torch.Tensor:
         return torch.where(valid, t, 0.0).sum() / g_tok
 
-    def reduce_loss(t: torch.Tensor) -> torch.Tensor:
-        if cfg.token_level_loss:
-            return reduce_tok(t)
-        return seq_mean(torch.where(valid, t, 0.0)).sum() / g_seq
-
+    reduce_loss = loss_reducer(cfg, valid, seq_mean, g_tok, g_seq)
     curr_v, prev_v, gen_v, adv = clean(curr), clean(prev), clean(gen), clean(advantages)
     ref_v = clean(ref) if ref is not None else None
 
-    # Ratio and the clipped surrogate, [N].
-    if cfg.disable_ppo_ratio:
-        ratio = ratio_clamped = curr_v
-    else:
-        log_ratio = curr_v - prev_v
-        if cfg.sequence_level_importance_ratios:
-            ratio = torch.exp(seq_mean(log_ratio))[seq_id]
-        else:
-            ratio = torch.exp(log_ratio)
-        ratio_clamped = ratio.clamp(1.0 - cfg.ratio_clip_min, 1.0 + cfg.ratio_clip_max)
+    ratio, ratio_clamped = _ratios(cfg, curr_v, prev_v, seq_mean, seq_id)
     loss_unclipped = -adv * ratio
     loss_clipped = -adv * ratio_clamped
-    pg = torch.maximum(loss_unclipped, loss_clipped)
+    if cfg.use_cispo:  # the clipped ratio is a detached weight; the gradient flows through curr
+        pg = -adv * ratio_clamped.detach() * curr_v
+    else:
+        pg = torch.maximum(loss_unclipped, loss_clipped)
     if cfg.ratio_clip_c is not None:
         pg = torch.where(adv < 0, torch.minimum(pg, -adv * cfg.ratio_clip_c), pg)
 
     # Importance weight between the trainer's and the sampler's policy, [N], never a grad path.
     with torch.no_grad():
-        is_weight, out_of_bounds = _importance_weights(cfg, prev_v, gen_v, valid, seq_id, seq_mean)
+        is_weight, out_of_bounds, seq_weight = _importance_weights(
+            cfg, prev_v, gen_v, valid, seq_id, seq_sum, seq_mean)
     actor_loss = reduce_loss((is_weight if cfg.use_importance_sampling_correction else 1.0) * pg)
 
     beta = cfg.reference_policy_kl_penalty
     if beta != 0:
-        logr = ref_v - curr_v
-        if cfg.kl_input_clamp_value is not None:
-            logr = logr.clamp(-cfg.kl_input_clamp_value, cfg.kl_input_clamp_value)
-        kl_tok = kl_estimate(logr, cfg.reference_policy_kl_type)
-        if cfg.use_on_policy_kl_approximation:
-            kl_tok = kl_tok * _finite_or_zero(torch.exp(curr_v - gen_v).detach())
-        if cfg.kl_output_clamp_value is not None:
-            kl_tok = kl_tok.clamp(-cfg.kl_output_clamp_value, cfg.kl_output_clamp_value)
-        kl = reduce_loss(kl_tok)
+        kl = reduce_loss(kl_per_token(cfg, curr_v, ref_v, gen_v))
     else:
         kl = torch.zeros((), dtype=wd, device=curr.device)
-    loss = actor_loss + beta * kl
+    mu = cfg.positive_example_nll_weight
+    if mu != 0:  # VAPO: NLL of the sequences whose (mean) advantage is positive
+        positive = (seq_mean(adv) > 0)[seq_id] & valid
+        nll = reduce_loss(torch.where(positive, -curr_v, 0.0))
+    else:
+        nll = torch.zeros((), dtype=wd, device=curr.device)
+    loss = actor_loss + beta * kl + mu * nll
 
     with torch.no_grad():
         metrics = _metrics(
             cfg, curr_v, prev_v, gen_v, valid, ratio, ratio_clamped, loss_unclipped,
-            loss_clipped, is_weight, out_of_bounds, reduce_tok, g_seq, sample_mask,
+            loss_clipped, is_weight, out_of_bounds, reduce_tok, g_seq, sample_mask, seq_weight,
         )
-        metrics.update(kl_penalty=kl, actor_loss=actor_loss, loss=loss)
+        metrics.update(kl_penalty=kl, actor_loss=actor_loss, positive_nll=nll, loss=loss)
         metrics = {k: v.detach().to(torch.float32).reshape(()) for k, v in metrics.items()}
     return loss, metrics
+
+
+def loss_normaliser(cfg: PGLossConfig, g_tok, g_seq):
+    """The global denominator of the loss: G_tok (token-mean), G_seq (seq-mean-token-mean /
+    -sum) or G_seq * L (seq-mean-token-sum-norm, L = loss_scale_factor)."""
+    if cfg.loss_aggregation == "token-mean":
+        return g_tok
+    if cfg.loss_aggregation == "seq-mean-token-sum-norm":
+        return g_seq * cfg.loss_scale_factor
+    return g_seq
+
+
+def loss_reducer(cfg: PGLossConfig, valid, seq_mean, g_tok, g_seq):
+    """-> reduce(t [N]) = this micro-batch's partial sum of the configured aggregation."""
+    denominator = loss_normaliser(cfg, g_tok, g_seq)
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        t = torch.where(valid, t, 0.0)
+        if cfg.loss_aggregation == "seq-mean-token-mean":
+            return seq_mean(t).sum() / denominator
+        return t.sum() / denominator
+
+    return reduce
+
+
+def _ratios(cfg: PGLossConfig, curr_v, prev_v, seq_mean, seq_id):
+    """-> (r, r_c) per token [N]: PPO/GSPO ratio and its clamp, REINFORCE's curr, or the forced 1."""
+    if cfg.force_on_policy_ratio:  # value 1, gradient d curr (NeMo RL's force_on_policy_ratio)
+        ratio = torch.exp(curr_v - curr_v.detach())
+        return ratio, ratio
+    if cfg.disable_ppo_ratio:
+        return curr_v, curr_v
+    log_ratio = curr_v - prev_v
+    if cfg.sequence_level_importance_ratios:
+        ratio = torch.exp(seq_mean(log_ratio))[seq_id]
+    else:
+        ratio = torch.exp(log_ratio)
+    return ratio, ratio.clamp(1.0 - cfg.ratio_clip_min, 1.0 + cfg.ratio_clip_max)
+
+
+def kl_per_token(cfg: PGLossConfig, curr_v, ref_v, gen_v) -> torch.Tensor:
+    """The per-token KL term [N] with its clamps and importance weight.
+
+    The weight is exp(curr - gen) with on-policy KL, else exp(curr - sg(curr)) (value 1). With
+    kl_true_gradient it stays in the graph: d/dcurr of w * k is w * (k + dk/dcurr), whose
+    expectation over samples of curr is the gradient of E[k] = KL(curr || ref) for k1 and k3
+    (the score-function term; arXiv 2506.09477). Where the input clamp binds, the weight is
+    detached too (NeMo RL's rule), so a clamped token carries no gradient at all.
+    """
+    raw = ref_v - curr_v
+    logr = raw
+    if cfg.kl_input_clamp_value is not None:
+        logr = raw.clamp(-cfg.kl_input_clamp_value, cfg.kl_input_clamp_value)
+    kl_tok = kl_estimate(logr, cfg.reference_policy_kl_type)
+    weight = None
+    if cfg.use_on_policy_kl_approximation:
+        weight = _finite_or_zero(torch.exp(curr_v - gen_v))
+    elif cfg.kl_true_gradient:
+        weight = torch.exp(curr_v - curr_v.detach())
+    if weight is not None:
+        if not cfg.kl_true_gradient:
+            weight = weight.detach()
+        elif cfg.kl_input_clamp_value is not None:
+            weight = torch.where(raw == logr, weight, weight.detach())
+        kl_tok = kl_tok * weight
+    if cfg.kl_output_clamp_value is not None:
+        kl_tok = kl_tok.clamp(-cfg.kl_output_clamp_value, cfg.kl_output_clamp_value)
+    return kl_tok
 
 
 def _finite_or_zero(t: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def _importance_weights(cfg, prev_v, gen_v, valid, seq_id, seq_mean):
-    """w = exp(prev - gen) (nan/inf -> 0), truncated as configured -> (w [N], oob).
+def _importance_weights(cfg, prev_v, gen_v, valid, seq_id, seq_sum, seq_mean):
+    """Train/inference weights, truncated as configured -> (w [N], oob, w_i [n_seqs + 1] or None).
 
-    oob marks what truncation touched: per token for tis/icepop, per sequence for
-    seq-mask-tis, None without truncation. w is computed even when the loss does not use it,
-    so that sampling_importance_ratio always reports the train/inference mismatch.
+    Token level: w = exp(prev - gen) per token. GSPO (sequence_level_importance_ratios): one
+    weight per sequence, w_i = exp(sum_t m (prev - gen)), broadcast to its tokens; truncation
+    acts on w_i. nan/inf weights become 0. oob marks what truncation touched: per token for
+    tis/icepop, per sequence [n_seqs + 1] for seq-mask-tis and for GSPO, None without
+    truncation. w is computed even when the loss does not use it, so that
+    sampling_importance_ratio always reports the train/inference mismatch.
     """
-    weight = _finite_or_zero(torch.exp(prev_v - gen_v))
     kind = cfg.truncated_importance_sampling_type
     lo, hi = cfg.truncated_importance_sampling_ratio_min, cfg.truncated_importance_sampling_ratio
 
@@ -640,20 +699,29 @@ def _importance_weights(cfg, prev_v, gen_v, valid, seq_id, seq_mean):
             out |= x > hi
         return out
 
+    if cfg.sequence_level_importance_ratios:
+        weight = _finite_or_zero(torch.exp(seq_sum(torch.where(valid, prev_v - gen_v, 0.0))))  # [n_seqs + 1]
+        oob = outside(weight) if kind is not None else None
+        if kind == "tis":
+            weight = weight.clamp(lo, hi)
+        elif kind == "icepop":
+            weight = torch.where(oob, 0.0, weight)
+        return weight[seq_id], oob, weight
+    weight = _finite_or_zero(torch.exp(prev_v - gen_v))
     if kind == "tis":
-        return weight.clamp(lo, hi), outside(weight)
+        return weight.clamp(lo, hi), outside(weight), None
     if kind == "icepop":
         oob = outside(weight)
-        return torch.where(oob, 0.0, weight), oob
+        return torch.where(oob, 0.0, weight), oob, None
     if kind == "seq-mask-tis":
         geo_mean = torch.exp(seq_mean(torch.where(valid, _finite_or_zero(prev_v - gen_v), 0.0)))
         oob_seq = outside(geo_mean)  # [n_seqs + 1]
-        return torch.where(oob_seq[seq_id], 0.0, weight), oob_seq
-    return weight, None
+        return torch.where(oob_seq[seq_id], 0.0, weight), oob_seq, None
+    return weight, None, None
 
 
 def _metrics(cfg, curr_v, prev_v, gen_v, valid, ratio, ratio_clamped, loss_unclipped,
-             loss_clipped, is_weight, out_of_bounds, reduce_tok, g_seq, sample_mask):
+             loss_clipped, is_weight, out_of_bounds, reduce_tok, g_seq, sample_mask, seq_weight):
     kl_type = cfg.reference_policy_kl_type
     log_mix = torch.logaddexp(prev_v, gen_v) - math.log(2.0)  # log(e^prev / 2 + e^gen / 2)
     a, b = prev_v - log_mix, gen_v - log_mix
@@ -666,18 +734,23 @@ def _metrics(cfg, curr_v, prev_v, gen_v, valid, ratio, ratio_clamped, loss_uncli
     def vmax(t):
         return torch.cat([torch.where(valid, t, -math.inf), -inf]).max()
 
+    sample_ok = sample_mask.reshape(-1) != 0
     if out_of_bounds is None:
         oob = torch.zeros((), device=curr_v.device)
-    elif cfg.truncated_importance_sampling_type == "seq-mask-tis":
-        oob = (out_of_bounds[:-1] & (sample_mask.reshape(-1) != 0)).sum() / g_seq
+    elif cfg.truncated_importance_sampling_type == "seq-mask-tis" or cfg.sequence_level_importance_ratios:
+        oob = (out_of_bounds[:-1] & sample_ok).sum() / g_seq
     else:
         oob = reduce_tok(out_of_bounds.to(curr_v.dtype))
+    if seq_weight is not None:  # GSPO: one weight per sequence, so the mean over sequences
+        sampling_ratio = torch.where(sample_ok, seq_weight[:-1], 0.0).sum() / g_seq
+    else:
+        sampling_ratio = reduce_tok(is_weight)
     return {
         "token_mult_prob_error": reduce_tok(torch.exp((gen_v - prev_v).abs())),
         "gen_kl_error": reduce_tok(kl_estimate(prev_v - gen_v, kl_type)),
         "policy_kl_error": reduce_tok(kl_estimate(gen_v - prev_v, kl_type)),
         "js_divergence_error": reduce_tok(js),
-        "sampling_importance_ratio": reduce_tok(is_weight),
+        "sampling_importance_ratio": sampling_ratio,
         "approx_entropy": -reduce_tok(torch.exp(curr_v - gen_v) * curr_v),
         "ratio_mean": reduce_tok(ratio),
         "clipped_ratio_mean": reduce_tok(ratio_clamped),
