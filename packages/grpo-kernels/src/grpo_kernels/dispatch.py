@@ -126,11 +126,14 @@ def clipped_pg_loss(
     cu_seqlens: torch.Tensor | None = None,
 ):
     """The clipped PG + KL loss of shared/GRPO-MATH.md -> (loss, metrics); see
-    `grpo_kernels.reference.clipped_pg_loss`. GSPO sequence ratios couple the tokens of a
-    sequence in the gradient and run on the reference path."""
+    `grpo_kernels.reference.clipped_pg_loss`. Options the Triton kernel does not implement
+    (GSPO, positive_example_nll_weight; see `ops.pg_loss.unsupported`) run on the reference path,
+    logged at debug level with the option named."""
     why_not = None
     if getattr(config, "sequence_level_importance_ratios", False):
-        why_not = "GSPO sequence-level ratios"
+        why_not = "GSPO (sequence_level_importance_ratios)"
+    elif getattr(config, "positive_example_nll_weight", 0.0) != 0:
+        why_not = "positive_example_nll_weight"
     impl = _pick("clipped_pg_loss", "grpo_kernels.ops.pg_loss", curr, why_not)
     return impl(
         curr, prev, gen, ref, advantages, token_mask, sample_mask, config,

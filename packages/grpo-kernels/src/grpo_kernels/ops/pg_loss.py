@@ -67,6 +67,7 @@ def _pg_token_terms(
     TRUNCATION: tl.constexpr, HAS_IS_LO: tl.constexpr, HAS_IS_HI: tl.constexpr,
     HAS_KL: tl.constexpr, KL_TYPE: tl.constexpr, KL_IN_CLAMP: tl.constexpr,
     KL_OUT_CLAMP: tl.constexpr, ON_POLICY_KL: tl.constexpr, SEQ_LEVEL: tl.constexpr,
+    FORCE_RATIO: tl.constexpr, CISPO: tl.constexpr, KL_TRUE_GRAD: tl.constexpr,
     ACC: tl.constexpr,
 ):
     """Per-token terms of the loss for the tokens `offs` (shared by forward and backward)."""
@@ -82,7 +83,12 @@ def _pg_token_terms(
     clip_hi = tl.load(params_ptr + 1)
 
     # Ratio, clipped surrogate, and its derivative wrt curr (torch's tie rule: half each way).
-    if REINFORCE:
+    if FORCE_RATIO:  # exp(curr - sg(curr)): value 1, derivative 1, never clipped
+        ratio = tl.full(c.shape, 1.0, ACC)
+        ratio_clamped = ratio
+        d_ratio = ratio
+        d_clamped = ratio
+    elif REINFORCE:
         ratio = c
         ratio_clamped = c
         d_ratio = tl.full(c.shape, 1.0, ACC)
@@ -94,10 +100,14 @@ def _pg_token_terms(
         d_clamped = tl.where((ratio >= clip_lo) & (ratio <= clip_hi), ratio, 0.0)
     loss1 = -adv * ratio
     loss2 = -adv * ratio_clamped
-    pg = tl.maximum(loss1, loss2)
-    d1 = -adv * d_ratio
-    d2 = -adv * d_clamped
-    d_pg = tl.where(loss1 > loss2, d1, tl.where(loss2 > loss1, d2, 0.5 * (d1 + d2)))
+    if CISPO:  # -A * sg(r_c) * curr: the clipped ratio is a weight, the gradient is curr's
+        pg = loss2 * c
+        d_pg = -adv * ratio_clamped
+    else:
+        pg = tl.maximum(loss1, loss2)
+        d1 = -adv * d_ratio
+        d2 = -adv * d_clamped
+        d_pg = tl.where(loss1 > loss2, d1, tl.where(loss2 > loss1, d2, 0.5 * (d1 + d2)))
     if DUAL_CLIP:
         loss3 = -adv * tl.load(params_ptr + 2)
         negative = adv < 0
@@ -145,15 +155,20 @@ def _pg_token_terms(
             d_k = logr
         else:
             d_k = tl.exp(logr) - 1.0
-        if ON_POLICY_KL:
-            omega = _finite_or_zero(tl.exp(c - g))
+        d_kl = d_k * d_logr  # dk/dcurr through logr (0 where the input clamp binds)
+        if ON_POLICY_KL or KL_TRUE_GRAD:
+            # weight omega = exp(curr - gen) (on-policy KL) or exp(curr - sg(curr)) = 1
+            omega = tl.full(c.shape, 1.0, ACC)
+            if ON_POLICY_KL:
+                omega = _finite_or_zero(tl.exp(c - g))
+            d_kl = d_kl * omega
+            if KL_TRUE_GRAD:  # + k * d omega / d curr = k * omega, unless the input clamp binds
+                d_kl = d_kl + tl.where(d_logr != 0.0, kl * omega, 0.0)
             kl = kl * omega
-            d_k = d_k * omega
         if KL_OUT_CLAMP:
             kl_out = tl.load(params_ptr + 6)
-            d_k = tl.where((kl >= -kl_out) & (kl <= kl_out), d_k, 0.0)
+            d_kl = tl.where((kl >= -kl_out) & (kl <= kl_out), d_kl, 0.0)
             kl = tl.minimum(tl.maximum(kl, -kl_out), kl_out)
-        d_kl = d_k * d_logr
 
     seq_weight = tl.full(c.shape, 1.0, ACC)
     if SEQ_LEVEL:
@@ -170,6 +185,7 @@ def _pg_loss_fwd_kernel(
     TRUNCATION: tl.constexpr, HAS_IS_LO: tl.constexpr, HAS_IS_HI: tl.constexpr,
     HAS_KL: tl.constexpr, KL_TYPE: tl.constexpr, KL_IN_CLAMP: tl.constexpr,
     KL_OUT_CLAMP: tl.constexpr, ON_POLICY_KL: tl.constexpr, SEQ_LEVEL: tl.constexpr,
+    FORCE_RATIO: tl.constexpr, CISPO: tl.constexpr, KL_TRUE_GRAD: tl.constexpr,
     N_SUMS: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     """Program pid writes partials[pid] (16 statistics of its BLOCK tokens); the last program
@@ -180,7 +196,7 @@ def _pg_loss_fwd_kernel(
         offs, curr_ptr, prev_ptr, gen_ptr, ref_ptr, adv_ptr, token_mask_ptr, seq_mask_ptr,
         seq_weight_ptr, seq_keep_ptr, params_ptr, n_tokens, row_len,
         REINFORCE, DUAL_CLIP, USE_IS, TRUNCATION, HAS_IS_LO, HAS_IS_HI, HAS_KL, KL_TYPE,
-        KL_IN_CLAMP, KL_OUT_CLAMP, ON_POLICY_KL, SEQ_LEVEL, ACC,
+        KL_IN_CLAMP, KL_OUT_CLAMP, ON_POLICY_KL, SEQ_LEVEL, FORCE_RATIO, CISPO, KL_TRUE_GRAD, ACC,
     )
     # Mismatch metrics between the trainer (prev) and the sampler (gen).
     log_mix = tl.maximum(p, g) + tl.log(0.5 * tl.exp(p - tl.maximum(p, g)) + 0.5 * tl.exp(g - tl.maximum(p, g)))
@@ -243,6 +259,7 @@ def _pg_loss_bwd_kernel(
     TRUNCATION: tl.constexpr, HAS_IS_LO: tl.constexpr, HAS_IS_HI: tl.constexpr,
     HAS_KL: tl.constexpr, KL_TYPE: tl.constexpr, KL_IN_CLAMP: tl.constexpr,
     KL_OUT_CLAMP: tl.constexpr, ON_POLICY_KL: tl.constexpr, SEQ_LEVEL: tl.constexpr,
+    FORCE_RATIO: tl.constexpr, CISPO: tl.constexpr, KL_TRUE_GRAD: tl.constexpr,
     ACC: tl.constexpr, BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
@@ -251,7 +268,7 @@ def _pg_loss_bwd_kernel(
         offs, curr_ptr, prev_ptr, gen_ptr, ref_ptr, adv_ptr, token_mask_ptr, seq_mask_ptr,
         seq_weight_ptr, seq_keep_ptr, params_ptr, n_tokens, row_len,
         REINFORCE, DUAL_CLIP, USE_IS, TRUNCATION, HAS_IS_LO, HAS_IS_HI, HAS_KL, KL_TYPE,
-        KL_IN_CLAMP, KL_OUT_CLAMP, ON_POLICY_KL, SEQ_LEVEL, ACC,
+        KL_IN_CLAMP, KL_OUT_CLAMP, ON_POLICY_KL, SEQ_LEVEL, FORCE_RATIO, CISPO, KL_TRUE_GRAD, ACC,
     )
     # Only the two loss sums carry gradient; the metrics are detached.
     grad = tl.load(grad_stats_ptr + 0).to(ACC) * d_actor + tl.load(grad_stats_ptr + 1).to(ACC) * d_kl
@@ -288,7 +305,10 @@ def _flags(config: PGLossConfig) -> dict:
         KL_IN_CLAMP=c.kl_input_clamp_value is not None,
         KL_OUT_CLAMP=c.kl_output_clamp_value is not None,
         ON_POLICY_KL=c.use_on_policy_kl_approximation,
-        SEQ_LEVEL=not c.token_level_loss,
+        SEQ_LEVEL=c.loss_aggregation == "seq-mean-token-mean",
+        FORCE_RATIO=c.force_on_policy_ratio,
+        CISPO=c.use_cispo,
+        KL_TRUE_GRAD=c.kl_true_gradient,
     )
 
 
@@ -377,6 +397,17 @@ def _count(value, name: str):
     return max(float(value), 1.0)
 
 
+def unsupported(config: PGLossConfig) -> str | None:
+    """The option of `config` this kernel does not implement, or None. GSPO couples the tokens
+    of a sequence in the gradient; VAPO's NLL term needs a per-sequence positive mask and a
+    statistic of its own. Both run on the reference (`dispatch` logs the route)."""
+    if config.sequence_level_importance_ratios:
+        return "GSPO (sequence_level_importance_ratios)"
+    if config.positive_example_nll_weight != 0:
+        return "positive_example_nll_weight"
+    return None
+
+
 def _sequence_extras(curr, prev, gen, token_mask, sample_mask, config, n_seqs, cu):
     """Per-sequence inputs the token kernel cannot compute: -> seq_weight (1 / valid tokens of
     the sequence), seq_keep (seq-mask-tis), oob (seq-mask-tis count) and the token layout."""
@@ -414,13 +445,16 @@ def clipped_pg_loss(
     *,
     block: int = BLOCK,
 ):
-    """Same contract as `reference.clipped_pg_loss`, except GSPO (refused: use the reference)."""
+    """Same contract as `reference.clipped_pg_loss`, except the options of `unsupported`
+    (refused: `dispatch` sends them to the reference)."""
     n_seqs, cu = R.check_pg_inputs(curr, prev, gen, ref, advantages, token_mask, sample_mask, config, cu_seqlens)
-    if config.sequence_level_importance_ratios:
-        raise ValueError("config: GSPO sequence-level ratios are served by reference.clipped_pg_loss")
+    why = unsupported(config)
+    if why is not None:
+        raise ValueError(f"config: {why} is served by reference.clipped_pg_loss")
     g_tok = _count(global_valid_tokens, "global_valid_tokens")
     g_seq = _count(global_valid_seqs, "global_valid_seqs")
-    needs_sequences = not config.token_level_loss or config.truncated_importance_sampling_type == "seq-mask-tis"
+    seq_level = config.loss_aggregation == "seq-mean-token-mean"
+    needs_sequences = seq_level or config.truncated_importance_sampling_type == "seq-mask-tis"
     tokens = dict(
         prev=prev.reshape(-1).contiguous(), gen=gen.reshape(-1).contiguous(),
         ref=None if ref is None or not config.reference_policy_kl_penalty else ref.reshape(-1).contiguous(),
@@ -439,11 +473,11 @@ def clipped_pg_loss(
             tokens["seq_mask"] = _mask_bytes(sample_ok[seq_id])
             seq_weight = seq_weight[seq_id]
             seq_keep = None if seq_keep is None else seq_keep[seq_id]
-        tokens["seq_weight"] = seq_weight.contiguous() if not config.token_level_loss else None
+        tokens["seq_weight"] = seq_weight.contiguous() if seq_level else None
         tokens["seq_keep"] = None if seq_keep is None else seq_keep.contiguous()
 
     stats = ClippedPGLossFunction.apply(curr.reshape(-1), tokens, config, block)
-    g_loss = g_tok if config.token_level_loss else g_seq
+    g_loss = R.loss_normaliser(config, g_tok, g_seq)
     actor_loss = stats[0] / g_loss
     kl = stats[1] / g_loss
     loss = actor_loss + config.reference_policy_kl_penalty * kl
@@ -454,5 +488,5 @@ def clipped_pg_loss(
             metrics["is_oob_fraction"] = (oob / g_seq).float()
         metrics.update(zip(STATS[N_SUMS:], stats[N_SUMS:].float().unbind()))
         metrics.update(kl_penalty=kl.detach().float(), actor_loss=actor_loss.detach().float(),
-                       loss=loss.detach().float())
+                       positive_nll=torch.zeros((), device=curr.device), loss=loss.detach().float())
     return loss, metrics
