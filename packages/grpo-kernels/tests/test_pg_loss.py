@@ -309,6 +309,18 @@ CONFIGS = {
     "gspo": dict(sequence_level_importance_ratios=True, token_level_loss=False,
                  use_importance_sampling_correction=True),
     "reinforce_beta0": dict(disable_ppo_ratio=True, reference_policy_kl_penalty=0.0),
+    # Variants (hand cases in test_pg_loss_variants.py)
+    "seq_sum": dict(loss_aggregation="seq-mean-token-sum", reference_policy_kl_penalty=0.1),
+    "seq_sum_norm": dict(loss_aggregation="seq-mean-token-sum-norm", loss_scale_factor=16,
+                         use_importance_sampling_correction=True),
+    "cispo": dict(use_cispo=True, ratio_clip_max=0.28, reference_policy_kl_penalty=0.05),
+    "force_on_policy": dict(force_on_policy_ratio=True, use_importance_sampling_correction=True),
+    "vapo_nll": dict(positive_example_nll_weight=0.1),
+    "gspo_tis": dict(sequence_level_importance_ratios=True, token_level_loss=False,
+                     use_importance_sampling_correction=True, truncated_importance_sampling_type="tis",
+                     truncated_importance_sampling_ratio=1.5, truncated_importance_sampling_ratio_min=0.7),
+    "kl_detached": dict(kl_true_gradient=False, use_on_policy_kl_approximation=True,
+                        reference_policy_kl_penalty=0.05),
 }
 
 
@@ -452,7 +464,8 @@ def test_packed_input_needs_cu_seqlens():
 # ---------------------------------------------------------------------------------------------
 # Triton kernels under the interpreter, against the reference (fp32 / fp64, tiny shapes)
 # ---------------------------------------------------------------------------------------------
-TRITON_CONFIGS = sorted(name for name in CONFIGS if name != "gspo")
+# GSPO and VAPO's NLL run on the reference (dispatch routes them; test_pg_loss_variants.py).
+TRITON_CONFIGS = sorted(name for name in CONFIGS if name not in ("gspo", "gspo_tis", "vapo_nll"))
 
 
 def triton_loss():
