@@ -44,6 +44,8 @@ def test_show_prints_resolved_yaml_with_overrides(tmp_path):
         (["config", "validate", "no_such_config.yaml"], "config file not found"),
         (["config", "validate", "grpo_math_1B.yaml", "policy.generation.temperature=hot"], "policy.generation.temperature"),
         (["train", "--config", "grpo_math_1B.yaml", "loss_fn.ratio_clip_c=0.5"], "ratio_clip_c must be > 1"),
+        (["config", "validate", "grpo_math_1B.yaml", "loss_fn.use_cispo=true", "loss_fn.ratio_clip_c=3"],
+         "loss_fn.use_cispo: the dual clip"),
     ],
 )
 def test_config_errors_are_one_line_exit_2(args, words, tmp_path):

@@ -137,13 +137,13 @@ class PGLossConfig:
                     refuse("force_on_policy_ratio", f"replaces the ratio, and so does {other}; choose one")
             if self.ratio_clip_c is not None:
                 refuse("force_on_policy_ratio", "the ratio is 1, so the dual clip ratio_clip_c never binds; "
-                       "set ratio_clip_c to None")
+                       "set ratio_clip_c to null")
         if self.use_cispo:
             if self.disable_ppo_ratio:
                 refuse("use_cispo", "CISPO clips the importance ratio; disable_ppo_ratio has none")
             if self.ratio_clip_c is not None:
                 refuse("use_cispo", "the dual clip bounds -A*r, but CISPO's term is -A*sg(r_c)*curr: "
-                       "undefined together; set ratio_clip_c to None")
+                       "undefined together; set ratio_clip_c to null")
 
     @property
     def sequence_normaliser(self) -> bool:

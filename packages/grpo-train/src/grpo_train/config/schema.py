@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from grpo_kernels.loss_config import LossOptionError, PGLossConfig
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 
 class Section(BaseModel):
@@ -146,16 +148,33 @@ class LossConfig(Section):
     """Upper bound of the importance weight."""
     truncated_importance_sampling_ratio_min: float | None = Field(None, ge=0)
     """Lower bound of the importance weight (icepop / seq-mask-tis)."""
-    token_level_loss: bool = True
-    """Mean over all valid tokens of the global batch (false: mean of per-sequence means)."""
+    token_level_loss: bool | None = None
+    """true: loss_aggregation token-mean (mean over all valid tokens of the global batch); false:
+    seq-mean-token-mean (mean of per-sequence means); null: follows loss_aggregation (token-mean
+    when both are null). Contradicting loss_aggregation is refused."""
     sequence_level_importance_ratios: bool = False
-    """GSPO: one ratio per sequence (requires token_level_loss: false)."""
+    """GSPO: one ratio and one train/inference weight per sequence (requires seq-mean-token-mean)."""
     disable_ppo_ratio: bool = False
     """REINFORCE: use curr in place of the ratio."""
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                              "seq-mean-token-sum-norm"] | None = None
+    """How per-token terms become the loss (verl's loss_agg_mode; docs/algorithms.md);
+    seq-mean-token-sum-norm is Dr.GRPO's constant-length normaliser. null: follows token_level_loss."""
+    loss_scale_factor: float | None = Field(None, gt=0)
+    """The constant length L of seq-mean-token-sum-norm (e.g. the maximum response length)."""
+    force_on_policy_ratio: bool = False
+    """Ratio = exp(curr - sg(curr)) = 1, never clipped; needs one optimizer step per rollout."""
+    use_cispo: bool = False
+    """CISPO (MiniMax-M1): -A * sg(clamp(ratio)) * curr per token; every token keeps a gradient."""
+    kl_true_gradient: bool = True
+    """Keep the KL term's importance weight in the graph: the true gradient of KL(pi || ref)
+    (NeMo RL >= 0.7, arXiv 2506.09477). false: detached, grpo's behaviour before."""
+    positive_example_nll_weight: float = Field(0.0, ge=0)
+    """VAPO: mu of an NLL term on the sequences with positive advantage (0: off)."""
 
     @model_validator(mode="after")
     def _combinations(self) -> LossConfig:
-        if self.sequence_level_importance_ratios and self.token_level_loss:
+        if self.sequence_level_importance_ratios and self.token_level_loss is True:
             raise ValueError("sequence_level_importance_ratios (GSPO) requires token_level_loss: false")
         if self.truncated_importance_sampling_type and not self.use_importance_sampling_correction:
             raise ValueError("truncated_importance_sampling_type requires use_importance_sampling_correction: true")
@@ -163,6 +182,17 @@ class LossConfig(Section):
             raise ValueError("truncated_importance_sampling_type requires truncated_importance_sampling_ratio")
         if self.ratio_clip_c is not None and self.ratio_clip_c <= 1:
             raise ValueError(f"ratio_clip_c must be > 1 (dual clip), got {self.ratio_clip_c}")
+        return self
+
+    @model_validator(mode="after")
+    def _loss_options(self) -> LossConfig:
+        """Every combination the loss op refuses (grpo_kernels.PGLossConfig), at its key path."""
+        try:
+            PGLossConfig(**self.model_dump())
+        except LossOptionError as err:
+            detail = InitErrorDetails(type=PydanticCustomError("loss_option", "{reason}", {"reason": err.reason}),
+                                      loc=(err.field,), input=getattr(self, err.field))
+            raise ValidationError.from_exception_data(type(self).__name__, [detail]) from None
         return self
 
 
@@ -570,6 +600,19 @@ class GRPOMasterConfig(Section):
                 raise ValueError("grpo.async_grpo: policy.generation.weight_transport 'ipc' needs engines colocated on "
                                  "the trainer's GPUs, which async GRPO does not run; use 'collective', 'object_store' "
                                  "or 'auto'")
+        return self
+
+    @model_validator(mode="after")
+    def _on_policy_ratio(self) -> GRPOMasterConfig:
+        """A forced ratio of 1 is exact only when each rollout feeds one optimizer step."""
+        if not self.loss_fn.force_on_policy_ratio:
+            return self
+        samples = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
+        if samples != self.policy.train_global_batch_size or (self.ppo is not None and self.ppo.ppo_epochs > 1):
+            raise ValueError(
+                f"loss_fn.force_on_policy_ratio sets the ratio to 1, exact only for one optimizer step per rollout: "
+                f"needs grpo.num_prompts_per_step * grpo.num_generations_per_prompt ({samples}) == "
+                f"policy.train_global_batch_size ({self.policy.train_global_batch_size}) and ppo.ppo_epochs 1")
         return self
 
     def _check_ppo(self) -> None:
