@@ -142,3 +142,32 @@ def test_save_and_load_round_trip(model_dir, tmp_path):
     b.train(batch)
     for (k, va), (_, vb) in zip(a.model.state_dict().items(), b.model.state_dict().items()):
         assert torch.equal(va, vb), k
+
+
+@pytest.mark.parametrize(
+    "loss_keys",
+    [{}, {"loss_aggregation": "seq-mean-token-sum-norm", "loss_scale_factor": 16.0},
+     {"positive_example_nll_weight": 0.5}],
+)
+def test_loss_fn_keys_change_the_training_loss(model_dir, loss_keys):
+    """The loss the worker trains on follows loss_fn: at the first step curr = prev (ratio 1,
+    beta 0), so the actor loss is sum(-A) over valid tokens divided by the configured normaliser,
+    plus mu * the NLL of the positive-advantage sequences (docs/algorithms.md)."""
+    loss_cfg = LossConfig(reference_policy_kl_penalty=0.0, **loss_keys)
+    worker = PolicyWorker(model_dir, policy_cfg(train_micro_batch_size=4), loss_cfg, seed=0)
+    batch = make_batch(seed=1)
+    batch["prev_logprobs"] = worker.logprobs(batch)
+    metrics = worker.train(batch)
+    valid = batch["token_mask"].bool() & batch["sample_mask"].bool()[:, None]
+    g_tok, g_seq = float(valid.sum()), float(batch["sample_mask"].sum())
+    actor_sum = float(-batch["advantages"][valid].sum())
+    positive = valid & (batch["advantages"] > 0)
+    nll = float(-batch["prev_logprobs"][positive].sum()) / g_tok
+    expected = {
+        "": actor_sum / g_tok,
+        "loss_aggregation": actor_sum / (g_seq * 16.0),
+        "positive_example_nll_weight": actor_sum / g_tok + 0.5 * nll,
+    }[next(iter(loss_keys), "")]
+    assert metrics["loss"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    assert metrics["positive_nll"] == pytest.approx(nll if loss_keys.get("positive_example_nll_weight") else 0.0,
+                                                    rel=1e-5, abs=1e-6)

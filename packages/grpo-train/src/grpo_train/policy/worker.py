@@ -186,6 +186,8 @@ class PolicyWorker:
             loss.backward()
             sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
             for key, value in m.items():
+                if key == "loss":  # summed just above (counting it twice reported 2x the loss)
+                    continue
                 value = float(value)
                 if key in _MIN_METRICS:
                     sums[key] = min(sums.get(key, math.inf), value)
