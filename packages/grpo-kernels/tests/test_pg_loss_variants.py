@@ -53,11 +53,13 @@ def public(*args, **kwargs):
               truncated_importance_sampling_ratio_min=0.4), (0.0, 0.5), 0.5),
     ],
 )
-def test_gspo_importance_weight_is_one_per_sequence_by_hand(truncation, w, oob):
+@pytest.mark.parametrize("triton", [False, True])
+def test_gspo_importance_weight_is_one_per_sequence_by_hand(truncation, w, oob, triton):
     # loss = (w0 * mean(-1, -1) + w1 * mean(1, 1, 1)) / 2 sequences = (-w0 + w1) / 2.
     # r_i = exp(mean_t(curr - prev)): d l / d curr_t = -A r_i / n_i, times w_i / G_seq:
     # seq0 tokens -w0 / 4, seq1 tokens w1 / 6.
-    loss, m, grad = run(dict(GSPO, **(truncation or {})), **GSPO_CASE, impl=public)
+    impl = triton_loss() if triton else public
+    loss, m, grad = run(dict(GSPO, **(truncation or {})), **GSPO_CASE, impl=impl)
     assert loss == approx((-w[0] + w[1]) / 2)
     assert grad.tolist() == [[approx(-w[0] / 4), approx(-w[0] / 4), 0.0], [approx(w[1] / 6)] * 3]
     assert m["sampling_importance_ratio"] == mapprox((w[0] + w[1]) / 2)  # mean over sequences
@@ -82,39 +84,38 @@ def test_gspo_sequence_weight_with_clipped_ratio_and_masked_sample():
                 gen=[[-L(2.0), -L(1.5)], [L(2.0), 0.0], [L(4.0), NAN]],
                 adv=[[1.0, 1.0], [-1.0, -1.0], [1.0, NAN]], token_mask=[[1, 1], [1, 1], [1, 0]],
                 sample_mask=[1, 0, 1])
-    loss, m, grad = run(GSPO, **case, impl=public)
-    assert loss == approx((3 * -1.2 + 0.25 * -1.2) / 2)
-    assert grad.tolist() == [[approx(-0.6 * 3 / 2)] * 2, [0.0, 0.0], [0.0, 0.0]]
-    assert m["sampling_importance_ratio"] == mapprox((3 + 0.25) / 2)
+    for impl in (public, triton_loss()):
+        loss, m, grad = run(GSPO, **case, impl=impl)
+        assert loss == approx((3 * -1.2 + 0.25 * -1.2) / 2)
+        assert grad.tolist() == [[approx(-0.6 * 3 / 2)] * 2, [0.0, 0.0], [0.0, 0.0]]
+        assert m["sampling_importance_ratio"] == mapprox((3 + 0.25) / 2)
 
 
 def test_gspo_weight_nonfinite_sum_gives_zero():
     # gen = -inf on a valid token: prev - gen = +inf -> w = inf -> 0 (nan/inf -> 0), never NaN.
     case = dict(GSPO_CASE, gen=[[-math.inf, 0.0, NAN], [L(2.0), 0.0, 0.0]])
-    loss, m, grad = run(GSPO, **case, impl=public)
-    assert loss == approx(0.5 / 2)
-    assert torch.isfinite(grad).all() and grad[0].tolist() == [0.0, 0.0, 0.0]
+    for impl in (public, triton_loss()):
+        loss, m, grad = run(GSPO, **case, impl=impl)
+        assert loss == approx(0.5 / 2)
+        assert torch.isfinite(grad).all() and grad[0].tolist() == [0.0, 0.0, 0.0]
 
 
-def test_gspo_and_vapo_nll_route_to_the_reference_and_say_so(caplog):
+def test_vapo_nll_routes_to_the_reference_and_says_so(caplog):
     args = dict(curr=torch.zeros(2, 3), prev=torch.zeros(2, 3), gen=torch.zeros(2, 3), ref=None,
                 advantages=torch.ones(2, 3), token_mask=torch.ones(2, 3), sample_mask=torch.ones(2),
                 global_valid_tokens=6, global_valid_seqs=2)
     with caplog.at_level(logging.DEBUG, logger="grpo_kernels.dispatch"):
-        grpo_kernels.clipped_pg_loss(config=PGLossConfig(**GSPO), **args)
         grpo_kernels.clipped_pg_loss(config=PGLossConfig(positive_example_nll_weight=0.1, **BETA0), **args)
-        grpo_kernels.clipped_pg_loss(config=PGLossConfig(**BETA0), **args)
+        grpo_kernels.clipped_pg_loss(config=PGLossConfig(**GSPO), **args)
     routes = [r.getMessage() for r in caplog.records if "clipped_pg_loss" in r.getMessage()]
-    assert "reference (GSPO (sequence_level_importance_ratios))" in routes[0]
-    assert "reference (positive_example_nll_weight)" in routes[1]
-    assert "reference (CPU tensors)" in routes[2]  # the others would go to Triton on a GPU
+    assert "reference (positive_example_nll_weight)" in routes[0]
+    assert "reference (CPU tensors)" in routes[1]  # GSPO would go to Triton on a GPU
 
 
-@pytest.mark.parametrize("cfg", [GSPO, dict(positive_example_nll_weight=0.1, **BETA0)])
-def test_triton_kernel_refuses_what_dispatch_routes_away(cfg):
+def test_triton_kernel_refuses_what_dispatch_routes_away():
     impl = triton_loss()
-    with pytest.raises(ValueError, match="served by reference.clipped_pg_loss"):
-        run(cfg, curr=[[0.0]], prev=[[0.0]], adv=[[1.0]], impl=impl)
+    with pytest.raises(ValueError, match="positive_example_nll_weight is served by reference.clipped_pg_loss"):
+        run(dict(positive_example_nll_weight=0.1, **BETA0), curr=[[0.0]], prev=[[0.0]], adv=[[1.0]], impl=impl)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,7 +270,7 @@ def test_every_variant_is_in_the_invariance_configs():
     assert set(VARIANTS) <= set(CONFIGS)
 
 
-@pytest.mark.parametrize("name", ["seq_sum_norm", "cispo", "force_on_policy"])
+@pytest.mark.parametrize("name", ["seq_sum_norm", "cispo", "force_on_policy", "gspo_tis"])
 def test_triton_variants_split_into_micro_batches(name):
     check_micro_batch_invariance(triton_loss(), name, n_micro=2, B=4)
 

@@ -127,12 +127,10 @@ def clipped_pg_loss(
 ):
     """The clipped PG + KL loss of shared/GRPO-MATH.md -> (loss, metrics); see
     `grpo_kernels.reference.clipped_pg_loss`. Options the Triton kernel does not implement
-    (GSPO, positive_example_nll_weight; see `ops.pg_loss.unsupported`) run on the reference path,
+    (positive_example_nll_weight; see `ops.pg_loss.unsupported`) run on the reference path,
     logged at debug level with the option named."""
     why_not = None
-    if getattr(config, "sequence_level_importance_ratios", False):
-        why_not = "GSPO (sequence_level_importance_ratios)"
-    elif getattr(config, "positive_example_nll_weight", 0.0) != 0:
+    if getattr(config, "positive_example_nll_weight", 0.0) != 0:
         why_not = "positive_example_nll_weight"
     impl = _pick("clipped_pg_loss", "grpo_kernels.ops.pg_loss", curr, why_not)
     return impl(

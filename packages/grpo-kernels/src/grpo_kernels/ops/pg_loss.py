@@ -62,12 +62,12 @@ def _finite_or_zero(x):
 @triton.jit
 def _pg_token_terms(
     offs, curr_ptr, prev_ptr, gen_ptr, ref_ptr, adv_ptr, token_mask_ptr, seq_mask_ptr,
-    seq_weight_ptr, seq_keep_ptr, params_ptr, n_tokens, row_len,
+    seq_weight_ptr, seq_keep_ptr, lr_ptr, isw_ptr, params_ptr, n_tokens, row_len,
     REINFORCE: tl.constexpr, DUAL_CLIP: tl.constexpr, USE_IS: tl.constexpr,
     TRUNCATION: tl.constexpr, HAS_IS_LO: tl.constexpr, HAS_IS_HI: tl.constexpr,
     HAS_KL: tl.constexpr, KL_TYPE: tl.constexpr, KL_IN_CLAMP: tl.constexpr,
     KL_OUT_CLAMP: tl.constexpr, ON_POLICY_KL: tl.constexpr, SEQ_LEVEL: tl.constexpr,
-    FORCE_RATIO: tl.constexpr, CISPO: tl.constexpr, KL_TRUE_GRAD: tl.constexpr,
+    FORCE_RATIO: tl.constexpr, CISPO: tl.constexpr, KL_TRUE_GRAD: tl.constexpr, GSPO: tl.constexpr,
     ACC: tl.constexpr,
 ):
     """Per-token terms of the loss for the tokens `offs` (shared by forward and backward)."""
@@ -94,7 +94,10 @@ def _pg_token_terms(
         d_ratio = tl.full(c.shape, 1.0, ACC)
         d_clamped = d_ratio
     else:
-        ratio = tl.exp(c - p)
+        if GSPO:  # exp(mean_t(curr - prev)) of the token's sequence, from the host; d/d(log ratio)
+            ratio = tl.exp(tl.load(lr_ptr + offs, mask=valid, other=0.0).to(ACC))
+        else:
+            ratio = tl.exp(c - p)
         ratio_clamped = tl.minimum(tl.maximum(ratio, clip_lo), clip_hi)
         d_ratio = ratio
         d_clamped = tl.where((ratio >= clip_lo) & (ratio <= clip_hi), ratio, 0.0)
@@ -114,8 +117,12 @@ def _pg_token_terms(
         d_pg = tl.where(negative, tl.where(pg < loss3, d_pg, tl.where(pg > loss3, 0.0, 0.5 * d_pg)), d_pg)
         pg = tl.where(negative, tl.minimum(pg, loss3), pg)
 
-    # Importance weight exp(prev - gen) (no gradient), truncated as configured.
-    weight = _finite_or_zero(tl.exp(p - g))
+    # Importance weight exp(prev - gen) (no gradient), truncated as configured; under GSPO the
+    # host's per-sequence weight w_i, already truncated.
+    if GSPO:
+        weight = tl.load(isw_ptr + offs, mask=valid, other=0.0).to(ACC)
+    else:
+        weight = _finite_or_zero(tl.exp(p - g))
     oob = offs < 0  # all False
     if HAS_IS_LO:
         oob = oob | (weight < tl.load(params_ptr + 3))
@@ -180,12 +187,12 @@ def _pg_token_terms(
 @triton.jit
 def _pg_loss_fwd_kernel(
     curr_ptr, prev_ptr, gen_ptr, ref_ptr, adv_ptr, token_mask_ptr, seq_mask_ptr,
-    seq_weight_ptr, seq_keep_ptr, params_ptr, partials_ptr, counter_ptr, stats_ptr, n_tokens, row_len,
+    seq_weight_ptr, seq_keep_ptr, lr_ptr, isw_ptr, params_ptr, partials_ptr, counter_ptr, stats_ptr, n_tokens, row_len,
     REINFORCE: tl.constexpr, DUAL_CLIP: tl.constexpr, USE_IS: tl.constexpr,
     TRUNCATION: tl.constexpr, HAS_IS_LO: tl.constexpr, HAS_IS_HI: tl.constexpr,
     HAS_KL: tl.constexpr, KL_TYPE: tl.constexpr, KL_IN_CLAMP: tl.constexpr,
     KL_OUT_CLAMP: tl.constexpr, ON_POLICY_KL: tl.constexpr, SEQ_LEVEL: tl.constexpr,
-    FORCE_RATIO: tl.constexpr, CISPO: tl.constexpr, KL_TRUE_GRAD: tl.constexpr,
+    FORCE_RATIO: tl.constexpr, CISPO: tl.constexpr, KL_TRUE_GRAD: tl.constexpr, GSPO: tl.constexpr,
     N_SUMS: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     """Program pid writes partials[pid] (16 statistics of its BLOCK tokens); the last program
@@ -194,9 +201,9 @@ def _pg_loss_fwd_kernel(
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     (valid, c, p, g, ratio, ratio_clamped, loss1, loss2, weight, oob, actor, kl, _, _) = _pg_token_terms(
         offs, curr_ptr, prev_ptr, gen_ptr, ref_ptr, adv_ptr, token_mask_ptr, seq_mask_ptr,
-        seq_weight_ptr, seq_keep_ptr, params_ptr, n_tokens, row_len,
+        seq_weight_ptr, seq_keep_ptr, lr_ptr, isw_ptr, params_ptr, n_tokens, row_len,
         REINFORCE, DUAL_CLIP, USE_IS, TRUNCATION, HAS_IS_LO, HAS_IS_HI, HAS_KL, KL_TYPE,
-        KL_IN_CLAMP, KL_OUT_CLAMP, ON_POLICY_KL, SEQ_LEVEL, FORCE_RATIO, CISPO, KL_TRUE_GRAD, ACC,
+        KL_IN_CLAMP, KL_OUT_CLAMP, ON_POLICY_KL, SEQ_LEVEL, FORCE_RATIO, CISPO, KL_TRUE_GRAD, GSPO, ACC,
     )
     # Mismatch metrics between the trainer (prev) and the sampler (gen).
     log_mix = tl.maximum(p, g) + tl.log(0.5 * tl.exp(p - tl.maximum(p, g)) + 0.5 * tl.exp(g - tl.maximum(p, g)))
@@ -254,24 +261,32 @@ def _fold_partials(partials_ptr, stats_ptr, n_parts, N_SUMS: tl.constexpr, ACC: 
 @triton.jit
 def _pg_loss_bwd_kernel(
     curr_ptr, prev_ptr, gen_ptr, ref_ptr, adv_ptr, token_mask_ptr, seq_mask_ptr,
-    seq_weight_ptr, seq_keep_ptr, params_ptr, grad_stats_ptr, grad_curr_ptr, n_tokens, row_len,
+    seq_weight_ptr, seq_keep_ptr, lr_ptr, isw_ptr, params_ptr, grad_stats_ptr, grad_curr_ptr, grad_lr_ptr,
+    n_tokens, row_len,
     REINFORCE: tl.constexpr, DUAL_CLIP: tl.constexpr, USE_IS: tl.constexpr,
     TRUNCATION: tl.constexpr, HAS_IS_LO: tl.constexpr, HAS_IS_HI: tl.constexpr,
     HAS_KL: tl.constexpr, KL_TYPE: tl.constexpr, KL_IN_CLAMP: tl.constexpr,
     KL_OUT_CLAMP: tl.constexpr, ON_POLICY_KL: tl.constexpr, SEQ_LEVEL: tl.constexpr,
-    FORCE_RATIO: tl.constexpr, CISPO: tl.constexpr, KL_TRUE_GRAD: tl.constexpr,
-    ACC: tl.constexpr, BLOCK: tl.constexpr,
+    FORCE_RATIO: tl.constexpr, CISPO: tl.constexpr, KL_TRUE_GRAD: tl.constexpr, GSPO: tl.constexpr,
+    ACTOR_TO_LR: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     (valid, _, _, _, _, _, _, _, _, _, _, _, d_actor, d_kl) = _pg_token_terms(
         offs, curr_ptr, prev_ptr, gen_ptr, ref_ptr, adv_ptr, token_mask_ptr, seq_mask_ptr,
-        seq_weight_ptr, seq_keep_ptr, params_ptr, n_tokens, row_len,
+        seq_weight_ptr, seq_keep_ptr, lr_ptr, isw_ptr, params_ptr, n_tokens, row_len,
         REINFORCE, DUAL_CLIP, USE_IS, TRUNCATION, HAS_IS_LO, HAS_IS_HI, HAS_KL, KL_TYPE,
-        KL_IN_CLAMP, KL_OUT_CLAMP, ON_POLICY_KL, SEQ_LEVEL, FORCE_RATIO, CISPO, KL_TRUE_GRAD, ACC,
+        KL_IN_CLAMP, KL_OUT_CLAMP, ON_POLICY_KL, SEQ_LEVEL, FORCE_RATIO, CISPO, KL_TRUE_GRAD, GSPO, ACC,
     )
-    # Only the two loss sums carry gradient; the metrics are detached.
-    grad = tl.load(grad_stats_ptr + 0).to(ACC) * d_actor + tl.load(grad_stats_ptr + 1).to(ACC) * d_kl
+    # Only the two loss sums carry gradient; the metrics are detached. GSPO's actor term depends
+    # on curr through the sequence log-ratio: its gradient goes there, and torch on the host
+    # carries it back to the sequence's tokens.
+    g_actor = tl.load(grad_stats_ptr + 0).to(ACC) * d_actor
+    grad = tl.load(grad_stats_ptr + 1).to(ACC) * d_kl
+    if ACTOR_TO_LR:
+        tl.store(grad_lr_ptr + offs, tl.where(valid, g_actor, 0.0), mask=offs < n_tokens)
+    else:
+        grad = grad + g_actor
     tl.store(grad_curr_ptr + offs, tl.where(valid, grad, 0.0), mask=offs < n_tokens)
 
 
@@ -293,7 +308,7 @@ def _params(config: PGLossConfig, device: torch.device, dtype: torch.dtype) -> t
 
 def _flags(config: PGLossConfig) -> dict:
     c = config
-    return dict(
+    flags = dict(
         REINFORCE=c.disable_ppo_ratio,
         DUAL_CLIP=c.ratio_clip_c is not None,
         USE_IS=c.use_importance_sampling_correction,
@@ -309,7 +324,17 @@ def _flags(config: PGLossConfig) -> dict:
         FORCE_RATIO=c.force_on_policy_ratio,
         CISPO=c.use_cispo,
         KL_TRUE_GRAD=c.kl_true_gradient,
+        GSPO=c.sequence_level_importance_ratios,
     )
+    if c.sequence_level_importance_ratios:  # the host truncates the sequence weights
+        flags.update(TRUNCATION=0, HAS_IS_LO=False, HAS_IS_HI=False)
+    return flags
+
+
+def _actor_to_log_ratio(config: PGLossConfig) -> bool:
+    """GSPO's clipped surrogate differentiates through the sequence log-ratio (not CISPO's
+    detached weight, not REINFORCE's curr)."""
+    return config.sequence_level_importance_ratios and not (config.use_cispo or config.disable_ppo_ratio)
 
 
 def _acc(dtype: torch.dtype):
@@ -336,19 +361,23 @@ def pg_loss_fwd(tokens: dict, config: PGLossConfig, block: int = BLOCK) -> torch
     return stats
 
 
-def pg_loss_bwd(tokens: dict, config: PGLossConfig, grad_stats: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
-    """-> d loss / d curr [N] in curr's dtype, for the upstream gradient of the statistics."""
+def pg_loss_bwd(tokens: dict, config: PGLossConfig, grad_stats: torch.Tensor, block: int = BLOCK):
+    """-> (d loss / d curr [N] in curr's dtype, d loss / d log_ratio [N] under GSPO else None),
+    for the upstream gradient of the statistics."""
     curr = tokens["curr"]
     n_tokens = curr.numel()
     acc_dtype = R.work_dtype(curr.dtype)
     grad_curr = torch.empty_like(curr)
+    to_lr = _actor_to_log_ratio(config)
+    grad_lr = torch.empty_like(tokens["log_ratio"]) if to_lr else None
     if n_tokens == 0:
-        return grad_curr
+        return grad_curr, grad_lr
     _pg_loss_bwd_kernel[(triton.cdiv(n_tokens, block),)](
         *_pointers(tokens), _params(config, curr.device, acc_dtype), grad_stats.contiguous(),
-        grad_curr, n_tokens, tokens["row_len"], **_flags(config), ACC=_acc(curr.dtype), BLOCK=block,
+        grad_curr, grad_lr if to_lr else grad_curr, n_tokens, tokens["row_len"], **_flags(config),
+        ACTOR_TO_LR=to_lr, ACC=_acc(curr.dtype), BLOCK=block,
     )
-    return grad_curr
+    return grad_curr, grad_lr
 
 
 def _pointers(tokens: dict) -> tuple:
@@ -356,29 +385,33 @@ def _pointers(tokens: dict) -> tuple:
     ref = tokens["ref"] if tokens["ref"] is not None else curr
     seq_weight = tokens["seq_weight"] if tokens["seq_weight"] is not None else curr
     seq_keep = tokens["seq_keep"] if tokens["seq_keep"] is not None else curr
+    log_ratio = tokens.get("log_ratio") if tokens.get("log_ratio") is not None else curr
+    is_weight = tokens.get("is_weight") if tokens.get("is_weight") is not None else curr
     return (curr, tokens["prev"], tokens["gen"], ref, tokens["advantages"], tokens["token_mask"],
-            tokens["seq_mask"], seq_weight, seq_keep)
+            tokens["seq_mask"], seq_weight, seq_keep, log_ratio, is_weight)
 
 
 # ----------------------------------------------------------------------------------------------
 # Layer 3: autograd Function
 # ----------------------------------------------------------------------------------------------
 class ClippedPGLossFunction(torch.autograd.Function):
-    """curr [N] -> statistics [16] (STATS); only actor_sum and kl_sum carry gradient."""
+    """curr [N] (and GSPO's per-token sequence log-ratio [N]) -> statistics [16] (STATS); only
+    actor_sum and kl_sum carry gradient."""
 
     @staticmethod
-    def forward(ctx, curr, tokens, config, block):
-        tokens = dict(tokens, curr=curr)
+    def forward(ctx, curr, log_ratio, tokens, config, block):
+        tokens = dict(tokens, curr=curr, log_ratio=log_ratio)
         stats = pg_loss_fwd(tokens, config, block)
         ctx.tokens, ctx.config, ctx.block = tokens, config, block
-        ctx.save_for_backward(curr)
+        ctx.save_for_backward(curr, log_ratio)
         return stats
 
     @staticmethod
     def backward(ctx, grad_stats):
-        (curr,) = ctx.saved_tensors
-        tokens = dict(ctx.tokens, curr=curr)
-        return pg_loss_bwd(tokens, ctx.config, grad_stats, ctx.block), None, None, None
+        curr, log_ratio = ctx.saved_tensors
+        tokens = dict(ctx.tokens, curr=curr, log_ratio=log_ratio)
+        grad_curr, grad_lr = pg_loss_bwd(tokens, ctx.config, grad_stats, ctx.block)
+        return grad_curr, grad_lr, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -398,14 +431,47 @@ def _count(value, name: str):
 
 
 def unsupported(config: PGLossConfig) -> str | None:
-    """The option of `config` this kernel does not implement, or None. GSPO couples the tokens
-    of a sequence in the gradient; VAPO's NLL term needs a per-sequence positive mask and a
-    statistic of its own. Both run on the reference (`dispatch` logs the route)."""
-    if config.sequence_level_importance_ratios:
-        return "GSPO (sequence_level_importance_ratios)"
+    """The option of `config` this kernel does not implement, or None. VAPO's NLL term needs a
+    per-sequence positive mask and a statistic of its own; it runs on the reference (`dispatch`
+    logs the route)."""
     if config.positive_example_nll_weight != 0:
         return "positive_example_nll_weight"
     return None
+
+
+def _gspo_extras(curr, prev, gen, token_mask, sample_mask, config, n_seqs, cu):
+    """GSPO's per-sequence terms, computed by torch on the host (the "second pass"):
+    -> log_ratio [N] = mean_t(curr - prev) of each token's sequence (differentiable: the
+    kernel's gradient wrt it flows back to curr through torch), the truncated sequence weight
+    w_i = exp(sum_t m (prev - gen)) per token [N], and the per-sequence metrics (sums of the
+    weights and of the out-of-bounds flags over the valid sequences)."""
+    seq_id, valid = R.token_layout(curr, token_mask, sample_mask, n_seqs, cu)
+    wd = R.work_dtype(curr.dtype)
+
+    def seq_sum(t):
+        return torch.zeros(n_seqs + 1, dtype=t.dtype, device=t.device).index_add(0, seq_id, t)
+
+    counts = seq_sum(valid.to(wd)).clamp_min(1.0)
+    diff = torch.where(valid, curr.reshape(-1).to(wd) - prev.reshape(-1).to(wd), 0.0)
+    log_ratio = (seq_sum(diff) / counts)[seq_id]
+    with torch.no_grad():
+        lo, hi = config.truncated_importance_sampling_ratio_min, config.truncated_importance_sampling_ratio
+        log_w = torch.where(valid, prev.reshape(-1).to(wd) - gen.reshape(-1).to(wd), 0.0)
+        weight = torch.nan_to_num(torch.exp(seq_sum(log_w)), nan=0.0, posinf=0.0, neginf=0.0)
+        outside = torch.zeros_like(weight, dtype=torch.bool)
+        if lo is not None:
+            outside |= weight < lo
+        if hi is not None:
+            outside |= weight > hi
+        kind = config.truncated_importance_sampling_type
+        if kind == "tis":
+            weight = weight.clamp(lo, hi)
+        elif kind == "icepop":
+            weight = torch.where(outside, 0.0, weight)
+        sample_ok = sample_mask.reshape(-1) != 0
+        weight_sum = torch.where(sample_ok, weight[:-1], 0.0).sum()
+        oob_sum = (outside[:-1] & sample_ok).sum().to(wd) if kind is not None else None
+    return log_ratio, weight[seq_id].contiguous(), weight_sum, oob_sum
 
 
 def _sequence_extras(curr, prev, gen, token_mask, sample_mask, config, n_seqs, cu):
@@ -460,7 +526,7 @@ def clipped_pg_loss(
         ref=None if ref is None or not config.reference_policy_kl_penalty else ref.reshape(-1).contiguous(),
         advantages=advantages.reshape(-1).contiguous(),
         token_mask=_mask_bytes(token_mask.reshape(-1).contiguous()),
-        seq_mask=_mask_bytes(sample_mask.contiguous()), seq_weight=None, seq_keep=None,
+        seq_mask=_mask_bytes(sample_mask.contiguous()), seq_weight=None, seq_keep=None, is_weight=None,
         row_len=curr.shape[1] if curr.dim() == 2 else 1,
     )
     oob = None
@@ -476,7 +542,12 @@ def clipped_pg_loss(
         tokens["seq_weight"] = seq_weight.contiguous() if seq_level else None
         tokens["seq_keep"] = None if seq_keep is None else seq_keep.contiguous()
 
-    stats = ClippedPGLossFunction.apply(curr.reshape(-1), tokens, config, block)
+    log_ratio = None
+    if config.sequence_level_importance_ratios:
+        log_ratio, tokens["is_weight"], weight_sum, gspo_oob = _gspo_extras(
+            curr, prev, gen, token_mask, sample_mask, config, n_seqs, cu)
+        oob = gspo_oob
+    stats = ClippedPGLossFunction.apply(curr.reshape(-1), log_ratio, tokens, config, block)
     g_loss = R.loss_normaliser(config, g_tok, g_seq)
     actor_loss = stats[0] / g_loss
     kl = stats[1] / g_loss
@@ -486,6 +557,8 @@ def clipped_pg_loss(
         metrics = dict(zip(STATS[2:N_SUMS], means.unbind()))
         if oob is not None:
             metrics["is_oob_fraction"] = (oob / g_seq).float()
+        if config.sequence_level_importance_ratios:  # one weight per sequence: mean over sequences
+            metrics["sampling_importance_ratio"] = (weight_sum / g_seq).float()
         metrics.update(zip(STATS[N_SUMS:], stats[N_SUMS:].float().unbind()))
         metrics.update(kl_penalty=kl.detach().float(), actor_loss=actor_loss.detach().float(),
                        positive_nll=torch.zeros((), device=curr.device), loss=loss.detach().float())
