@@ -2,7 +2,8 @@
 
 A plain frozen dataclass so that validating a config imports no torch; grpo-train's pydantic
 config builds one of these from its `loss_fn` section. Combinations the loss cannot honour are
-refused here, at config time, never half-applied at step time.
+refused here, at config time, never half-applied at step time, with a LossOptionError naming
+the key. Formulas and papers of every option: docs/algorithms.md (section Loss).
 """
 
 from __future__ import annotations

@@ -531,7 +531,11 @@ def clipped_pg_loss(
     global_valid_seqs,
     cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped PG loss + beta * KL of one micro-batch as a partial sum of the global mean.
+    """Clipped PG loss + beta * KL (+ mu * positive NLL) of one micro-batch as a partial sum of
+    the global loss; every option of PGLossConfig, formulas in docs/algorithms.md:
+    ratio (PPO / GSPO / REINFORCE / forced 1), surrogate (clipped, dual clip, CISPO), the
+    train/inference weight (per token, or per sequence under GSPO, truncated), the KL term
+    (k1/k2/k3, clamps, detached or true-gradient weight) and loss_aggregation.
 
     curr/prev/gen/ref/advantages/token_mask: [B, S] (token t holds log p(x_t | x_<t)) with
     sample_mask [B], or packed [T] with cu_seqlens [n+1] and sample_mask [n]. Masked positions

@@ -7,9 +7,13 @@ rows in a fixed order, in the same launch (deterministic: no float atomics, so t
 depend on which program ran when). Backward recomputes the per-token terms and writes
 d loss / d curr. Everything per sequence that the token-level kernel cannot see is prepared on
 the host (torch ops, the "second pass" of the sequence-level paths): the per-sequence weight
-1 / n_i of the sequence-level loss and the sequence keep-mask of seq-mask-tis. GSPO couples the
-tokens of a sequence in the gradient and stays on the reference (`dispatch` routes it there).
-The reference twin is `grpo_kernels.reference.clipped_pg_loss`.
+1 / n_i of seq-mean-token-mean, the sequence keep-mask of seq-mask-tis, and for GSPO each
+sequence's log-ratio mean_t(curr - prev) (an input with gradient: the kernel's actor gradient
+wrt it flows back to curr through torch) and its truncated train/inference weight
+exp(sum_t m (prev - gen)). The other loss_aggregation modes differ only in the host's global
+normaliser. VAPO's positive-example NLL is not implemented here (`dispatch` routes it to the
+reference). The reference twin is `grpo_kernels.reference.clipped_pg_loss`; the formulas are
+in docs/algorithms.md.
 """
 
 from __future__ import annotations
