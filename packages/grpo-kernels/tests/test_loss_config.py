@@ -62,6 +62,7 @@ def test_defaults_are_nemo_rl_defaults():
         # ratio variants
         (dict(use_cispo=True, ratio_clip_c=3.0), "use_cispo"),
         (dict(use_cispo=True, disable_ppo_ratio=True), "use_cispo"),
+        (dict(use_cispo=True, token_level_loss=False, sequence_level_importance_ratios=True), "use_cispo"),
         (dict(force_on_policy_ratio=True, disable_ppo_ratio=True), "force_on_policy_ratio"),
         (dict(force_on_policy_ratio=True, use_cispo=True), "force_on_policy_ratio"),
         (dict(force_on_policy_ratio=True, token_level_loss=False, sequence_level_importance_ratios=True),
@@ -83,7 +84,7 @@ def test_accepted_combinations():
                  truncated_importance_sampling_ratio=5.0, truncated_importance_sampling_ratio_min=0.5)
     PGLossConfig(kl_input_clamp_value=None, kl_output_clamp_value=None)
     PGLossConfig(loss_aggregation="seq-mean-token-sum-norm", loss_scale_factor=512, token_level_loss=False)
-    PGLossConfig(use_cispo=True, token_level_loss=False, sequence_level_importance_ratios=True)
+    PGLossConfig(use_cispo=True, loss_aggregation="seq-mean-token-sum-norm", loss_scale_factor=8)
     PGLossConfig(force_on_policy_ratio=True, use_importance_sampling_correction=True)
     PGLossConfig(positive_example_nll_weight=0.1, kl_true_gradient=False)
 

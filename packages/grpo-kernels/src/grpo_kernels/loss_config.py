@@ -142,6 +142,9 @@ class PGLossConfig:
         if self.use_cispo:
             if self.disable_ppo_ratio:
                 refuse("use_cispo", "CISPO clips the importance ratio; disable_ppo_ratio has none")
+            if self.sequence_level_importance_ratios:
+                refuse("use_cispo", "CISPO clips token-level ratios; GSPO (sequence_level_importance_ratios) "
+                       "replaces them by one per sequence (NeMo RL refuses this pair too)")
             if self.ratio_clip_c is not None:
                 refuse("use_cispo", "the dual clip bounds -A*r, but CISPO's term is -A*sg(r_c)*curr: "
                        "undefined together; set ratio_clip_c to null")
