@@ -179,3 +179,16 @@ def test_override_may_set_a_schema_key_the_file_leaves_out(tmp_path):
     assert raw["policy"]["generation"]["vllm_cfg"]["max_model_len"] == 99
     with pytest.raises(ConfigError, match="unknown key in override"):
         load_config(path, ["grpo.val_perod=3"])
+
+
+def test_every_loss_op_option_is_a_loss_fn_key():
+    """loss_fn reaches every option of grpo_kernels.PGLossConfig, with the same defaults."""
+    import dataclasses
+
+    from grpo_kernels import PGLossConfig
+
+    from grpo_train.config.schema import LossConfig
+
+    fields = {f.name: f.default for f in dataclasses.fields(PGLossConfig)}
+    assert set(fields) <= set(LossConfig.model_fields)
+    assert {name: LossConfig.model_fields[name].default for name in fields} == fields

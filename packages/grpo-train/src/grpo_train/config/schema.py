@@ -184,11 +184,17 @@ class LossConfig(Section):
             raise ValueError(f"ratio_clip_c must be > 1 (dual clip), got {self.ratio_clip_c}")
         return self
 
+    def loss_op_config(self) -> PGLossConfig:
+        """The loss op's own config (grpo_kernels.PGLossConfig) from the keys it declares; keys
+        of this section that other components consume (none yet) are not passed."""
+        op_keys = PGLossConfig.__dataclass_fields__
+        return PGLossConfig(**{k: v for k, v in self.model_dump().items() if k in op_keys})
+
     @model_validator(mode="after")
     def _loss_options(self) -> LossConfig:
         """Every combination the loss op refuses (grpo_kernels.PGLossConfig), at its key path."""
         try:
-            PGLossConfig(**self.model_dump())
+            self.loss_op_config()
         except LossOptionError as err:
             detail = InitErrorDetails(type=PydanticCustomError("loss_option", "{reason}", {"reason": err.reason}),
                                       loc=(err.field,), input=getattr(self, err.field))

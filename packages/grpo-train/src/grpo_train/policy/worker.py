@@ -49,7 +49,7 @@ class NonFiniteLossError(RuntimeError):
 
 
 def pg_loss_config(cfg: LossConfig) -> grpo_kernels.PGLossConfig:
-    return grpo_kernels.PGLossConfig(**cfg.model_dump())
+    return cfg.loss_op_config()
 
 
 class PolicyWorker:
