@@ -149,11 +149,6 @@ class PGLossConfig:
                 refuse("use_cispo", "the dual clip bounds -A*r, but CISPO's term is -A*sg(r_c)*curr: "
                        "undefined together; set ratio_clip_c to null")
 
-    @property
-    def sequence_normaliser(self) -> bool:
-        """The loss is divided by the global sequence count (not the token count)."""
-        return self.loss_aggregation != "token-mean"
-
     def _check_truncation(self, refuse) -> None:
         kind = self.truncated_importance_sampling_type
         hi = self.truncated_importance_sampling_ratio
