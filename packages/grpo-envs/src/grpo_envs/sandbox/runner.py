@@ -401,17 +401,34 @@ def _collect(fds: list[int], limits: SandboxLimits, wall_s: float):
 
 def _kill(proc: subprocess.Popen) -> None:
     """End the run: nsjail and everything in its session; the jail's PID namespace dies with
-    its first process, taking every process of the run (setsid ones included) with it."""
+    its first process, taking every process of the run (setsid ones included) with it.
+
+    The jail's first process is killed first and nsjail left to reap it: the kernel ends the
+    namespace's other processes before that reap completes, so they are all gone on return."""
+    if proc.poll() is None:
+        for pid in _children(proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            proc.wait(timeout=_KILL_WAIT_S)
+        except subprocess.TimeoutExpired:
+            pass
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-    try:
-        proc.wait(timeout=_KILL_WAIT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
         proc.wait()
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children", encoding="ascii") as f:
+            return [int(p) for p in f.read().split()]
+    except (OSError, ValueError):
+        return []
 
 
 def _classify(stdout: bytes, stderr: bytes, result: bytes, stop: str | None, returncode: int | None, log: str) -> SandboxResult:
@@ -434,7 +451,7 @@ def _classify(stdout: bytes, stderr: bytes, result: bytes, stop: str | None, ret
         res.status, res.error, res.value = reply["status"], reply.get("error"), reply.get("value")
     elif signum is not None:
         if signum in (signal.SIGXCPU, signal.SIGKILL):
-            res.status, res.error = "timeout", "CPU time limit" if signum == signal.SIGXCPU else "killed"
+            res.status, res.error = "timeout", "CPU time limit" if signum == signal.SIGXCPU else "killed (CPU time limit)"
         elif signum == signal.SIGXFSZ:
             res.status, res.error = "output_limit", "file size limit"
         elif "MemoryError" in err or "Cannot allocate memory" in err:
