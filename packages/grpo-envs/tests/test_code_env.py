@@ -1,23 +1,22 @@
 """Code env: test formats, rewards, and every hostile program scored 0 under the right metric."""
 
 import os
+import time
 
 import pytest
 
 import grpo_envs
 from grpo_envs.code_env import parse_tests, values_equal
-from grpo_envs.sandbox import DEFAULT_PRELOAD
+from grpo_envs.sandbox import runner
 
 LIMITS = {"cpu_time_s": 1, "wall_time_s": 4, "memory_mb": 256, "max_processes": 8}
-# socket/subprocess preloaded: the audit hook, not a failed import, must stop those programs.
-ISOLATION = {"preload": list(DEFAULT_PRELOAD) + ["socket", "subprocess", "encodings.idna"]}
 ADD_TESTS = {"tests": [{"input": "1 2\n", "output": "3\n"}, {"input": "10 -4\n", "output": "6"},
                        {"input": "0 0", "output": "0\n\n"}]}
 
 
 @pytest.fixture(scope="module")
 def env():
-    return grpo_envs.make("code", limits=LIMITS, isolation=ISOLATION)
+    return grpo_envs.make("code", limits=LIMITS)
 
 
 def _logs(responses):
@@ -75,11 +74,11 @@ HOSTILE = [
     ("infinite loop", "while True:\n    pass", "timeouts"),
     ("fork bomb", "import os\nwhile True:\n    os.fork()", "violations"),
     ("memory bomb", "x = bytearray(2 ** 34)", "memory_errors"),
-    ("write outside", "open('/grpo-code-env-pwned.txt', 'w').write('x')", "violations"),
-    ("read a file", "print(open('/etc/passwd').read())", "violations"),
+    ("write outside", "open('/grpo-code-env-pwned.txt', 'w').write('x')", "runtime_errors"),  # read-only root
+    ("read a file", "print(open('/etc/passwd').read())", "runtime_errors"),  # not in the jail
     ("socket", "import socket\nsocket.create_connection(('127.0.0.1', 22))", "violations"),
     ("print 100 MB", "import sys\nsys.stdout.write('1' * 100_000_000)", "output_limits"),
-    ("kill the parent", "import os\nos.kill(os.getppid(), 9)", "violations"),
+    ("kill the parent", f"import os\nos.kill({os.getpid()}, 9)", "violations"),
     ("deep recursion", "def f(n):\n    return f(n + 1)\nf(0)", "runtime_errors"),
     ("exit code", "import sys\nprint(3)\nsys.exit(1)", "runtime_errors"),
 ]
@@ -99,7 +98,7 @@ def test_hostile_batch_leaves_the_env_working(env):
     programs = [h[1] for h in HOSTILE] + ["print(3)"]
     out = env.step(_logs([_fenced(p) for p in programs]), [{"tests": [{"output": "3"}]}] * len(programs))
     assert out.rewards == [0.0] * len(HOSTILE) + [1.0]
-    assert out.metrics["violations"] == 5.0
+    assert out.metrics["violations"] == 3.0
 
 
 def test_parallel_runs_match_sequential():
@@ -119,6 +118,27 @@ def test_bad_tests_are_clear_errors():
         parse_tests({"input_output": {"inputs": ["1"], "outputs": []}})
     with pytest.raises(TypeError, match="unknown limits keys \\['cpu'\\]"):
         grpo_envs.make("code", limits={"cpu": 1})
+
+
+def test_refuses_to_start_without_the_required_isolation(monkeypatch):
+    monkeypatch.setattr(runner, "_modes", {(False,): runner._Mode(False, {"rlimits": True, "why": "no user namespaces"})})
+    with pytest.raises(ValueError, match="code env: required isolation not available here: mountns, pidns, netns, "
+                                         "seccomp \\(no user namespaces\\); isolation.require"):
+        grpo_envs.make("code", limits=LIMITS)
+    env = grpo_envs.make("code", limits=LIMITS, isolation={"require": []})  # said explicitly: trusted code only
+    assert env.step(_logs([_fenced("print(3)")]), [{"tests": [{"output": "3"}]}]).rewards == [1.0]
+
+
+def test_response_budget_spans_all_tests():
+    """Three sleepy tests of 1.5 s each against a 2 s budget: the second is cut at the budget's
+    end, the third never runs; the response costs ~2 s, not 3 x 4 s."""
+    env = grpo_envs.make("code", limits=LIMITS, response_time_s=2.0)
+    t0 = time.monotonic()
+    out = env.step(_logs([_fenced("import time\ntime.sleep(1.5)\nprint(3)")]), [{"tests": [{"output": "3"}] * 3}])
+    elapsed = time.monotonic() - t0
+    assert out.metadata[0]["tests"] == ["passed", "timeout", "timeout"]
+    assert out.metrics["timeouts"] == 2.0
+    assert 1.9 < elapsed < 3.0
 
 
 @pytest.mark.parametrize(

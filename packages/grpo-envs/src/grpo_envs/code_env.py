@@ -16,7 +16,9 @@ APPS/TACO rows are accepted as they are: ``{"input_output": {"inputs": [...], "o
 "fn_name": optional}}`` (a dict or its JSON string); in the function style an expected value
 wrapped in a one-element list also matches the bare value.
 
-Reward: the fraction of tests passed, or 1/0 with ``all_or_nothing``.
+Reward: the fraction of tests passed, or 1/0 with ``all_or_nothing``. ``response_time_s`` bounds
+the wall time of all the tests of one response together: each test gets at most what is left,
+and tests past the budget count as timeouts without running.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
@@ -31,7 +34,7 @@ from typing import Any
 
 from grpo_envs.answers import code_block
 from grpo_envs.base import Environment, EnvOutput, preview, response_text, single_turn_output
-from grpo_envs.sandbox import Isolation, SandboxLimits, run_python
+from grpo_envs.sandbox import Isolation, SandboxLimits, SandboxUnavailable, run_python, sandbox_mode
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +76,10 @@ class CodeEnv(Environment):
         max_parallel: responses run concurrently (each its own sandbox process).
         max_tests: use at most this many test cases per sample (None: all).
         limits: :class:`SandboxLimits` or a dict of its fields (cpu_time_s, memory_mb, ...).
-        isolation: :class:`Isolation` or a dict of its fields.
+        isolation: :class:`Isolation` or a dict of its fields. The environment refuses to start
+            when ``isolation.require`` (default: the jail) cannot be had on this machine.
+        response_time_s: wall-clock budget of one response across all its tests (None: only
+            each test's own ``limits.wall_time_s``).
     """
 
     COUNT_METRICS = frozenset({*_STATUS_METRICS.values(), "no_code", "tests_run"})
@@ -86,15 +92,23 @@ class CodeEnv(Environment):
         max_tests: int | None = None,
         limits: SandboxLimits | dict | None = None,
         isolation: Isolation | dict | None = None,
+        response_time_s: float | None = None,
     ) -> None:
         if max_parallel < 1:
             raise ValueError(f"code env: max_parallel must be >= 1, got {max_parallel}")
+        if response_time_s is not None and response_time_s <= 0:
+            raise ValueError(f"code env: response_time_s must be > 0, got {response_time_s}")
         self.all_or_nothing = all_or_nothing
         self.stop_on_first_failure = all_or_nothing if stop_on_first_failure is None else stop_on_first_failure
         self.max_parallel = max_parallel
         self.max_tests = max_tests
         self.limits = _as_dataclass(SandboxLimits, limits, "limits")
         self.isolation = _as_dataclass(Isolation, isolation, "isolation")
+        self.response_time_s = response_time_s
+        try:
+            sandbox_mode(self.isolation)  # fail at start-up, not at the first step
+        except SandboxUnavailable as exc:
+            raise ValueError(f"code env: {exc}") from None
 
     def step(self, message_logs: list[list[dict]], env_infos: list[dict]) -> EnvOutput:
         cases = [parse_tests(info, i)[: self.max_tests] for i, info in enumerate(env_infos)]
@@ -112,8 +126,13 @@ class CodeEnv(Environment):
         if not source.strip():
             return {"reward": 0.0, "status": "no_code", "passed": 0, "total": len(cases), "tests": []}
         statuses, first_error, isolation = [], None, {}
+        deadline = None if self.response_time_s is None else time.monotonic() + self.response_time_s
         for case in cases:
-            status, error, isolation = self._run_case(source, case)
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                status, error = "timeout", f"response_time_s={self.response_time_s} spent before this test"
+            else:
+                status, error, isolation = self._run_case(source, case, remaining)
             statuses.append(status)
             if status != "passed" and first_error is None:
                 first_error = error
@@ -134,12 +153,13 @@ class CodeEnv(Environment):
             "isolation": isolation,
         }
 
-    def _run_case(self, source: str, case: CodeTest) -> tuple[str, str | None, dict]:
+    def _run_case(self, source: str, case: CodeTest, remaining_s: float | None) -> tuple[str, str | None, dict]:
+        wall_s = None if remaining_s is None else min(self.limits.wall_s, remaining_s)
         if case.is_call:
             result = run_python(source, call=(case.fn_name, list(case.args), dict(case.kwargs or {})),
-                                limits=self.limits, isolation=self.isolation)
+                                limits=self.limits, isolation=self.isolation, wall_s=wall_s)
         else:
-            result = run_python(source, stdin=case.stdin, limits=self.limits, isolation=self.isolation)
+            result = run_python(source, stdin=case.stdin, limits=self.limits, isolation=self.isolation, wall_s=wall_s)
         if result.status == "sandbox_error":
             log.warning("code env: sandbox failure (not the solution's fault): %s", result.error)
         if result.status != "ok":

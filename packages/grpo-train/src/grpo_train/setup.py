@@ -185,7 +185,8 @@ def build_envs(cfg: GRPOMasterConfig) -> dict:
     """env name -> EnvPool of Ray actors (the async collector calls the same actors)."""
     from grpo_envs.pool import EnvPool
 
-    return {name: EnvPool(name, env_cfg.model_dump(exclude={"num_workers"}), num_workers=env_cfg.num_workers)
+    return {name: EnvPool(name, env_cfg.model_dump(exclude={"num_workers", "step_timeout_s"}), num_workers=env_cfg.num_workers,
+                          step_timeout_s=env_cfg.step_timeout_s)
             for name, env_cfg in cfg.env.items()}
 
 

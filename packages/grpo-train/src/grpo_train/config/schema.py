@@ -411,6 +411,9 @@ class EnvConfig(Section):
     model_config = ConfigDict(extra="allow", frozen=True)
     num_workers: int = Field(1, ge=1)
     """Ray actors running this environment."""
+    step_timeout_s: float | None = Field(None, gt=0)
+    """Wall-clock budget of one env call (a worker's chunk of a batch): a worker that overruns it
+    is replaced and its chunk retried (EnvPool); null: no budget."""
 
 
 class WandbConfig(Section):
