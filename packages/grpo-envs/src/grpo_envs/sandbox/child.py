@@ -1,6 +1,6 @@
 """Sandbox child side: runs inside the jail, before and around the untrusted solution.
 
-Started by :mod:`grpo_envs.sandbox.runner` as ``python -I [-S] -X utf8 child.py JOB_JSON`` (inside
+Started by :mod:`grpo_envs.sandbox.runner` as ``python -I [-S] -X utf8 child.py JOB_FILE`` (inside
 nsjail, or as a plain process where the config allows running without the jail). Standard
 library only. Fd 0 is the test's input, 1 and 2 the solution's output; the job names the fd of the result
 pipe to the runner ("fd 3" below). Everything before ``_run_solution`` is trusted code:
@@ -12,18 +12,20 @@ pipe to the runner ("fd 3" below). Everything before ``_run_solution`` is truste
    (exit code ``VIOLATION_EXIT``), so a solution cannot catch it and carry on;
 4. ``{"started": true}`` on fd 3, the solution, and one JSON line with its result.
 
-The runner reads fd 3 as a log: a violation line stays there whatever the solution does next.
+The runner reads fd 3 as a log of JSON lines: a violation line stays there whatever the solution
+does next. The job arrives as ``marshal`` data (written by the runner) and the lines are written
+by ``_to_json``: importing ``json`` (enum, re...) would double the start-up time of every run.
 """
 
 from __future__ import annotations
 
 import builtins
 import errno
-import json
+import marshal
 import math
 import os
-import resource
 import sys
+from _json import encode_basestring_ascii
 
 RESULT_FD = 3
 """Set from the job: the fd the runner passed for the result pipe."""
@@ -43,10 +45,10 @@ _DENIED_EVENTS = frozenset({
 })
 
 
-def main(job_json: str) -> None:
+def main(job_data: bytes) -> None:
     global RESULT_FD
     try:
-        job = json.loads(job_json)
+        job = marshal.loads(job_data)
         RESULT_FD = job["result_fd"]
         if job.get("rlimits"):
             _set_limits(job["limits"])
@@ -63,7 +65,9 @@ def main(job_json: str) -> None:
 
 
 def _set_limits(limits: dict) -> None:
-    cpu = max(1, math.ceil(limits["cpu_time_s"]))
+    import resource
+
+    cpu = max(1, -int(-limits["cpu_time_s"] // 1))
     memory = limits["memory_mb"] * _MB
     file_size = limits["file_size_mb"] * _MB
     pairs = [
@@ -82,11 +86,11 @@ def _set_limits(limits: dict) -> None:
 
 def _install_audit_hook() -> None:
     my_pid, result_fd = os.getpid(), RESULT_FD
-    deny_events, write, dumps, exit_now = _DENIED_EVENTS, os.write, json.dumps, os._exit
+    deny_events, write, frame, exit_now = _DENIED_EVENTS, os.write, _frame, os._exit
 
     def violation(what: str) -> None:
         try:
-            write(result_fd, (dumps({"violation": what}) + "\n").encode())
+            write(result_fd, frame({"violation": what}))
         finally:
             exit_now(VIOLATION_EXIT)
 
@@ -137,13 +141,46 @@ def _find_function(namespace: dict, fn_name: str):
 
 
 def _json_value(value):
+    """The value as JSON text (the runner decodes it), or the JSON of its repr."""
     try:
-        text = json.dumps(value)
-    except (TypeError, ValueError):
-        text = json.dumps(repr(value))
+        text = _to_json(value)
+    except (TypeError, RecursionError):
+        text = _to_json(repr(value))
     if len(text) > _VALUE_CHARS:
         raise ValueError(f"return value too large ({len(text)} characters as JSON)")
-    return json.loads(text)
+    return _Raw(text)
+
+
+class _Raw(str):
+    """JSON text to embed as it is."""
+
+
+def _to_json(value) -> str:
+    """What json.dumps gives for JSON-able values (tuples as lists); TypeError for the rest."""
+    if isinstance(value, _Raw):
+        return str.__str__(value)
+    if value is None or value is True or value is False:
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, str):
+        return encode_basestring_ascii(value)
+    if isinstance(value, int):
+        return int.__repr__(value)
+    if isinstance(value, float):
+        return float.__repr__(value) if math.isfinite(value) else ("NaN" if value != value else "Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_to_json(v) for v in value) + "]"
+    if isinstance(value, dict):
+        items = []
+        for k, v in value.items():
+            if isinstance(k, str):
+                key = k
+            elif k is None or isinstance(k, (bool, int, float)):
+                key = _to_json(k)
+            else:
+                raise TypeError(f"keys must be str, int, float, bool or None, not {type(k).__name__}")
+            items.append(encode_basestring_ascii(key) + ": " + _to_json(v))
+        return "{" + ", ".join(items) + "}"
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
 def _describe(exc: BaseException) -> str:
@@ -158,8 +195,12 @@ def _flush_std() -> None:
             pass
 
 
+def _frame(record: dict) -> bytes:
+    return (_to_json(record) + "\n").encode()
+
+
 def _report(reply: dict) -> None:
-    data = (json.dumps(reply) + "\n").encode()
+    data = _frame(reply)
     try:
         while data:
             data = data[os.write(RESULT_FD, data) :]
@@ -170,5 +211,5 @@ def _report(reply: dict) -> None:
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit("usage: child.py JOB_FILE (started by grpo_envs.sandbox)")
-    with open(sys.argv[1], encoding="utf-8") as f:
+    with open(sys.argv[1], "rb") as f:
         main(f.read())

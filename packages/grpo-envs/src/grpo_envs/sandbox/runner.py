@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import marshal
 import math
 import os
 import secrets
@@ -148,8 +149,8 @@ def run_python(
             "rlimits": not mode.jail,
             "result_fd": result_w,
         }
-        job_path = run_dir / "job.json"
-        job_path.write_text(json.dumps(job), encoding="utf-8")
+        job_path = run_dir / "job.bin"
+        job_path.write_bytes(marshal.dumps(job))
         input_path = run_dir / "input.txt"
         input_path.write_text(stdin, encoding="utf-8")
         log_path = run_dir / "jail.log"
@@ -204,8 +205,8 @@ class _Mode:
             return [*child, str(_CHILD_SCRIPT), str(job_path)]
         return [
             *_nsjail_args(self, limits, isolation, wall_s, log_path), "--pass_fd", str(result_fd),
-            "-R", f"{job_path}:/sandbox/job.json", "-R", f"{_CHILD_SCRIPT}:/sandbox/child.py",
-            "--", *child, "/sandbox/child.py", "/sandbox/job.json",
+            "-R", f"{job_path}:/sandbox/job.bin", "-R", f"{_CHILD_SCRIPT}:/sandbox/child.py",
+            "--", *child, "/sandbox/child.py", "/sandbox/job.bin",
         ]
 
 
@@ -311,9 +312,9 @@ def _probe(isolation: Isolation) -> _Mode:
 def _probe_run(mode: _Mode, isolation: Isolation) -> str | None:
     """None when a trivial run works in ``mode``, else what went wrong."""
     with tempfile.TemporaryDirectory(prefix="grpo-sandbox-probe-") as tmp:
-        job = Path(tmp, "job.json")
+        job = Path(tmp, "job.bin")
         r, w = os.pipe()
-        job.write_text(json.dumps({"source": "pass", "call": None, "limits": {}, "audit": False, "result_fd": w}))
+        job.write_bytes(marshal.dumps({"source": "pass", "call": None, "limits": {}, "audit": False, "result_fd": w}))
         log = Path(tmp, "jail.log")
         os.chmod(tmp, 0o755)
         job.chmod(0o644)
@@ -437,7 +438,7 @@ def _classify(stdout: bytes, stderr: bytes, result: bytes, stop: str | None, ret
     reply, started, violations = _result_lines(result)
     res = SandboxResult("runtime_error", out, err, returncode=returncode)
     signum = returncode - 128 if returncode is not None and returncode > 128 else -returncode if returncode and returncode < 0 else None
-    if violations or returncode == VIOLATION_EXIT and not reply:
+    if violations or returncode == VIOLATION_EXIT:
         res.status, res.error = "violation", "; ".join(violations) or "audit hook"
     elif signum == signal.SIGSYS:
         res.status, res.error = "violation", "a forbidden system call (seccomp)"
@@ -448,7 +449,8 @@ def _classify(stdout: bytes, stderr: bytes, result: bytes, stop: str | None, ret
         res.status = "sandbox_error"
         res.error = reply.get("error") or f"the sandbox did not start (exit code {returncode}): {log.strip()[-_LOG_TAIL:]}"
     elif reply.get("status") in STATUSES and returncode == 0:
-        res.status, res.error, res.value = reply["status"], reply.get("error"), reply.get("value")
+        res.status, res.error = reply["status"], reply.get("error")
+        res.value = reply.get("value")
     elif signum is not None:
         if signum in (signal.SIGXCPU, signal.SIGKILL):
             res.status, res.error = "timeout", "CPU time limit" if signum == signal.SIGXCPU else "killed (CPU time limit)"
