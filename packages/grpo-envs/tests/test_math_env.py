@@ -1,5 +1,6 @@
 """Math env: a table of equivalence cases checked against hand-decided truth, timeouts, metrics."""
 
+import os
 import time
 
 import pytest
@@ -110,8 +111,19 @@ def test_metrics_count_parse_failures_and_timeouts(env):
     assert again.rewards == [1.0]
 
 
+def test_hostile_answers_in_a_row_cost_their_timeout_each(env):
+    """Four answers that each blow the 2 s deadline: each costs ~2 s (a forked, warm spare takes
+    over at once), never a cold sympy start (10+ s on this machine) on top."""
+    for _ in range(4):
+        t0 = time.monotonic()
+        out = env.step(_logs(["\\boxed{9^{9^{9^{9^{9}}}}}"]), [{"ground_truth": "1"}])
+        assert out.metadata[0]["status"] == "timeout"
+        assert time.monotonic() - t0 < 2.0 + 0.7
+    assert env.step(_logs(["\\boxed{2}"]), [{"ground_truth": "2"}]).rewards == [1.0]
+
+
 def test_worker_crash_is_contained(env):
-    env.verifier._workers[0].proc.kill()  # simulate a segfault of math-verify mid-run
+    os.kill(env.verifier._workers[0].pid, 9)  # simulate a segfault of math-verify mid-run
     out = env.step(_logs(["\\boxed{1}", "\\boxed{2}"]), [{"ground_truth": "1"}, {"ground_truth": "2"}])
     assert [m["status"] for m in out.metadata] == ["error", "correct"]
     assert out.rewards == [0.0, 1.0]
