@@ -154,8 +154,7 @@ def run_python(
         input_path = run_dir / "input.txt"
         input_path.write_text(stdin, encoding="utf-8")
         log_path = run_dir / "jail.log"
-        run_dir.chmod(0o755)  # nsjail binds the job file; the plain child reads it
-        job_path.chmod(0o644)
+        job_path.chmod(0o644)  # bound into the jail for its uid; the folder stays private (0700)
         deadline_s = limits.wall_s if wall_s is None else max(0.0, wall_s)
         argv = mode.command(job_path, log_path, limits, isolation, deadline_s, result_w)
         with open(input_path, "rb") as stdin_file:
@@ -316,7 +315,6 @@ def _probe_run(mode: _Mode, isolation: Isolation) -> str | None:
         r, w = os.pipe()
         job.write_bytes(marshal.dumps({"source": "pass", "call": None, "limits": {}, "audit": False, "result_fd": w}))
         log = Path(tmp, "jail.log")
-        os.chmod(tmp, 0o755)
         job.chmod(0o644)
         argv = mode.command(job, log, SandboxLimits(), Isolation(audit_hook=False, site_packages=isolation.site_packages), 30, w)
         try:
