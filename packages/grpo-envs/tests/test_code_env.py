@@ -153,7 +153,7 @@ def test_values_equal(got, expected, equal):
 def test_code_env_on_ray(ray_session):
     from grpo_envs.pool import EnvPool
 
-    programs = [_fenced("a, b = map(int, input().split())\nprint(a + b)"), _fenced("import os\nos.kill(os.getppid(), 9)")]
+    programs = [_fenced("a, b = map(int, input().split())\nprint(a + b)"), _fenced("import os\nos.system('kill -9 -1')")]
     with EnvPool("code", {"limits": LIMITS}, num_workers=2) as pool:
         out = pool.step(_logs(programs), [ADD_TESTS] * 2)
     assert out.rewards == [1.0, 0.0]
