@@ -15,10 +15,10 @@ import pytest
 from grpo_train.checkpoint import (
     CheckpointManager,
     _host,
-    atomic_torch_save,
     load_rng_state,
     save_rng_state,
 )
+from grpo_train.state_io import load_state, save_state
 
 
 def write_text(name: str, text: str):
@@ -46,12 +46,12 @@ def test_save_writes_components_and_trainer_state(tmp_path):
     weights = {"w": torch.arange(6.0).reshape(2, 3)}
 
     def write_fn(folder: Path) -> None:
-        atomic_torch_save(weights, folder / "policy.pt")
+        save_state(weights, folder, "policy")
 
     path = manager.save(3, write_fn, {"step": 3, "epoch": 0, "weight_version": 3}, metrics={"val_accuracy": 0.5})
     assert path == tmp_path / "ckpt" / "step_3" and manager.latest() == path
     assert CheckpointManager.load_trainer_state(path) == {"step": 3, "epoch": 0, "weight_version": 3}
-    assert torch.equal(torch.load(path / "policy.pt", weights_only=True)["w"], weights["w"])
+    assert torch.equal(load_state(path, "policy")["w"], weights["w"])
     assert manager.all_steps() == [3] and hidden(tmp_path / "ckpt") == []
 
 
@@ -147,7 +147,7 @@ def test_saving_an_existing_step_replaces_it(tmp_path):
     manager = CheckpointManager(tmp_path)
     manager.save(4, write_text("old.txt", "old"), {"step": 4, "weight_version": 1})
     path = manager.save(4, write_text("new.txt", "new"), {"step": 4, "weight_version": 2})
-    assert sorted(p.name for p in path.iterdir()) == ["new.txt", "trainer_state.json"]
+    assert sorted(p.name for p in path.iterdir()) == ["manifest.json", "new.txt", "trainer_state.json"]
     assert CheckpointManager.load_trainer_state(path)["weight_version"] == 2
     assert manager.all_steps() == [4] and hidden(tmp_path) == []
 
@@ -214,29 +214,17 @@ def test_rng_round_trip_gives_identical_draws(tmp_path):
     np.random.seed(2)
     torch.manual_seed(3)
     np.random.randn()  # leave a cached Gaussian in numpy's state
-    path = tmp_path / "rng" / "rng_state.pt"
-    save_rng_state(path)
+    folder = tmp_path / "rng"
+    save_rng_state(folder)
     expected = draws()
     draws()  # move every generator on
-    load_rng_state(path)
+    load_rng_state(folder)
     assert draws() == expected
-    assert set(torch.load(path, weights_only=True)) >= {"python", "numpy", "torch"}
+    assert set(load_state(folder, "rng")) >= {"python", "numpy", "torch"}
 
 
 def test_load_rng_state_rejects_another_file(tmp_path):
     pytest.importorskip("torch")
-    atomic_torch_save({"weights": 1}, tmp_path / "other.pt")
+    save_state({"weights": 1}, tmp_path, "rng")
     with pytest.raises(ValueError, match="not an RNG state file"):
-        load_rng_state(tmp_path / "other.pt")
-
-
-def test_atomic_torch_save_replaces_and_keeps_the_old_file_on_failure(tmp_path):
-    torch = pytest.importorskip("torch")
-    path = tmp_path / "state.pt"
-    atomic_torch_save({"v": torch.tensor([1.0])}, path)
-    atomic_torch_save({"v": torch.tensor([2.0])}, path)
-    assert torch.load(path, weights_only=True)["v"].item() == 2.0
-    with pytest.raises(Exception):
-        atomic_torch_save({"v": lambda: None}, path)  # not picklable
-    assert torch.load(path, weights_only=True)["v"].item() == 2.0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.pt"]
+        load_rng_state(tmp_path)

@@ -2,8 +2,9 @@
 
 `CheckpointManager.save` has the caller write a checkpoint's components (policy weights,
 optimizer, dataloader, RNG state, ...) into a fresh hidden temporary folder, adds
-`trainer_state.json` last as the completeness marker, fsyncs everything and renames the folder
-to `step_N` in one step. A crash at any point leaves either the previous checkpoints untouched
+`trainer_state.json` as the completeness marker and `manifest.json` (a content hash of every file,
+see `state_io`), fsyncs everything and renames the folder to `step_N` in one step. On resume
+`newest_intact` checks the hashes and falls back past damaged checkpoints. A crash at any point leaves either the previous checkpoints untouched
 or the new one complete; hidden leftovers (`.tmp-*`, `.old-*`, `.del-*`) are never mistaken for
 checkpoints and are cleaned up by the next manager that finds their process gone.
 
@@ -26,10 +27,16 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
+from grpo_train.state_io import MANIFEST_FILE, load_state, save_state, verify_manifest, write_manifest
+
 log = logging.getLogger(__name__)
 
 STEP_PREFIX = "step_"
 TRAINER_STATE_FILE = "trainer_state.json"
+RNG_STEM = "rng"
+DAMAGED_SUFFIX = ".damaged"
+"""A damaged step_N newer than the resume point is renamed step_N.damaged (kept for a person to
+look at, out of pruning's and resume's way)."""
 METRICS_FILE = "checkpoint_metrics.json"
 """Metrics of a checkpoint, kept beside it so pruning works the same after a restart."""
 
@@ -78,31 +85,10 @@ def _process_alive(host: str, pid: int) -> bool:
     return True
 
 
-def atomic_torch_save(obj: Any, path: Path) -> None:
-    """torch.save to a temporary file in the same folder, fsync, then os.replace onto `path`."""
-    import torch
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{_unique_suffix()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_path(path.parent)
-
-
 # ------------------------------------------------------------------------------ rng state
-def save_rng_state(path: Path) -> None:
-    """Save the python, numpy, torch CPU (and CUDA, if available) generator states to `path`.
-
-    The file holds only tensors and plain Python values, so it loads with weights_only=True.
-    """
+def save_rng_state(folder: Path, stem: str = RNG_STEM) -> None:
+    """Save the python, numpy, torch CPU (and CUDA, if available) generator states as the state
+    file pair `folder/<stem>.{json,safetensors}` (no pickle)."""
     import random
 
     import numpy as np
@@ -122,18 +108,18 @@ def save_rng_state(path: Path) -> None:
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    atomic_torch_save(state, path)
+    save_state(state, folder, stem)
 
 
-def load_rng_state(path: Path) -> None:
+def load_rng_state(folder: Path, stem: str = RNG_STEM) -> None:
     """Restore the generator states written by `save_rng_state`."""
     import random
 
     import numpy as np
     import torch
 
-    path = Path(path)
-    state = torch.load(path, weights_only=True)
+    path = Path(folder) / stem
+    state = load_state(folder, stem)
     missing = [key for key in ("python", "numpy", "torch") if key not in state]
     if missing:
         raise ValueError(f"{path} is not an RNG state file: missing {missing}")
@@ -157,6 +143,10 @@ def load_rng_state(path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------- manager
+class NoIntactCheckpoint(RuntimeError):
+    """Checkpoints exist but every one fails its manifest check."""
+
+
 class CheckpointManager:
     """Saves step_N checkpoints atomically under `root`, finds the newest, prunes the rest.
 
@@ -180,6 +170,7 @@ class CheckpointManager:
         self.metric_name = metric_name
         self.higher_is_better = higher_is_better
         self._lock = threading.Lock()
+        self._bad_metrics: set[Path] = set()
         self.root.mkdir(parents=True, exist_ok=True)
         self._recover()
 
@@ -212,6 +203,34 @@ class CheckpointManager:
         except json.JSONDecodeError as err:
             raise ValueError(f"{file}: not valid JSON ({err})") from err
 
+    def newest_intact(self, say: Callable[[str], None]) -> Path | None:
+        """The newest checkpoint whose files match its manifest, None if there are no checkpoints.
+
+        Each damaged newer checkpoint is renamed step_N.damaged (so neither resume nor pruning
+        picks it again) and reported through `say` in one line. Raises NoIntactCheckpoint when
+        checkpoints exist but none is intact."""
+        damaged = []
+        for step in reversed(self.all_steps()):
+            folder = self.step_dir(step)
+            problem = verify_manifest(folder)
+            if problem is None:
+                if damaged:
+                    say(f"warning: resuming from {folder.name}: newer checkpoint(s) failed their "
+                        f"{MANIFEST_FILE} check and were moved aside: {'; '.join(damaged)}")
+                return folder
+            damaged.append(f"{folder.name} ({problem}) -> {self._set_aside_damaged(folder).name}")
+        if damaged:
+            raise NoIntactCheckpoint(f"no intact checkpoint under {self.root}: {'; '.join(damaged)}; "
+                                     "restore them or start a new run (--run-dir)")
+        return None
+
+    def _set_aside_damaged(self, folder: Path) -> Path:
+        target = folder.with_name(folder.name + DAMAGED_SUFFIX)
+        if target.exists():
+            target = folder.with_name(f"{folder.name}{DAMAGED_SUFFIX}-{uuid.uuid4().hex[:8]}")
+        os.rename(folder, target)
+        return target
+
     # -- save ---------------------------------------------------------------------------
     def save(
         self,
@@ -237,7 +256,8 @@ class CheckpointManager:
                 write_fn(tmp)
                 if metrics_text is not None:
                     (tmp / METRICS_FILE).write_text(metrics_text, encoding="utf-8")
-                (tmp / TRAINER_STATE_FILE).write_text(state_text, encoding="utf-8")  # last: the marker
+                (tmp / TRAINER_STATE_FILE).write_text(state_text, encoding="utf-8")  # the marker
+                write_manifest(tmp)  # hashes of everything above, checked by `newest_intact`
                 _fsync_tree(tmp)
                 final = self._publish(tmp, step)
             except BaseException:
@@ -267,13 +287,25 @@ class CheckpointManager:
 
     # -- pruning ------------------------------------------------------------------------
     def _metric(self, step: int) -> float | None:
+        """The checkpoint's ranking metric; an unreadable metrics file ranks as having none
+        (warned once per file) so that one damaged old checkpoint cannot stop later saves."""
         if self.metric_name is None:
             return None
         file = self.step_dir(step) / METRICS_FILE
         if not file.is_file():
             return None
-        value = json.loads(file.read_text(encoding="utf-8")).get(self.metric_name)
-        if not isinstance(value, (int, float)) or not math.isfinite(value):
+        try:
+            metrics = json.loads(file.read_text(encoding="utf-8"))
+            if not isinstance(metrics, dict):
+                raise ValueError("not a JSON object")
+            value = metrics.get(self.metric_name)
+        except (OSError, UnicodeDecodeError, ValueError) as err:
+            if file not in self._bad_metrics:
+                self._bad_metrics.add(file)
+                log.warning("%s is unreadable (%s): pruning ranks this checkpoint as having no %s",
+                            file, err, self.metric_name)
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             return None
         return float(value)
 
