@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from grpo_train.config.schema import ClusterConfig, DTensorConfig, LossConfig, PolicyConfig
 from grpo_train.policy.fsdp import uses_fsdp
 from grpo_train.policy.group import PolicyGroup
+from grpo_train.state_io import load_state
 from grpo_train.weight_transport import open_group, receive_buckets
 
 VOCAB = 64
@@ -189,7 +190,7 @@ def test_fsdp_checkpoint_round_trips_bitwise_and_resumes_exactly(fsdp_groups, ti
     single.save(str(tmp_path / "unsharded"))
     for copy in ("resaved", "unsharded"):
         assert_checkpoints_equal(saved, tmp_path / copy)
-    assert_state_equal(single.optimizer.state_dict(), torch.load(saved / "optimizer.pt", weights_only=False))
+    assert_state_equal(single.optimizer.state_dict(), load_state(saved, "optimizer"))
     assert_state_equal(ray.get(resumed.weights.remote()), ray.get(fsdp_group.weights.remote()))
 
     nxt = make_batch(8, seed=2)
@@ -220,8 +221,8 @@ def assert_checkpoints_equal(a: Path, b: Path) -> None:
     assert (a / "model" / "tokenizer.json").is_file()  # the folder loads alone (grpo eval --checkpoint)
     for shard in sorted((a / "model").glob("*.safetensors")):
         assert_state_equal(load_file(shard), load_file(b / "model" / shard.name), str(shard))
-    for name in ("optimizer.pt", "scheduler.pt", "torch_rng.pt"):
-        assert_state_equal(torch.load(a / name, weights_only=False), torch.load(b / name, weights_only=False), name)
+    for name in ("optimizer", "scheduler", "torch_rng"):
+        assert_state_equal(load_state(a, name), load_state(b, name), name)
 
 
 def test_one_row_on_two_sharded_ranks_is_the_single_worker_step(fsdp_group, tiny_qwen2_dir, tmp_path):

@@ -29,7 +29,7 @@ from grpo_train.sync_loop import run_validation, total_steps
 from grpo_train.train_step import PhaseTimer, add_logprobs, check_refit, prepare_batch
 
 POLL_S = 0.02  # how often the trainer looks into the buffer while it waits for groups
-BUFFER_FILE, COLLECTOR_FILE = "replay_buffer", "collector"  # checkpoint files (.pt), beside dataloader.pt
+BUFFER_FILE, COLLECTOR_FILE = "replay_buffer", "collector"  # checkpoint state files (state_io), beside "dataloader"
 
 
 def train_async(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: TrainerState) -> TrainerState:
@@ -96,17 +96,22 @@ def make_collector(cfg: GRPOMasterConfig, parts, checkpoints, state: TrainerStat
     checkpoint on resume.
 
     The collector draws from the driver's datasets with its own dataloader, started at the
-    driver's position (`dataloader.pt` of an async checkpoint holds the collector's); a sync
+    driver's position (the `dataloader` state file of an async checkpoint holds the collector's); a sync
     checkpoint has no buffer, so generation restarts at the next step.
     """
-    import torch
+    from grpo_data.records import DatumSpec
+
+    from grpo_train.batch import Rollout
+    from grpo_train.replay_buffer import GroupEntry
+    from grpo_train.state_io import load_state
 
     buffer = make_replay_buffer_actor(cfg.grpo.async_grpo.max_trajectory_age_steps)
     next_target = state.step + 1
     folder = checkpoints.latest() if checkpoints is not None and state.step > 0 else None
-    if folder is not None and (Path(folder) / f"{COLLECTOR_FILE}.pt").is_file():
-        ray.get(buffer.load_state_dict.remote(torch.load(Path(folder) / f"{BUFFER_FILE}.pt", weights_only=False)))
-        next_target = torch.load(Path(folder) / f"{COLLECTOR_FILE}.pt", weights_only=False)["next_target"]
+    if folder is not None and (Path(folder) / f"{COLLECTOR_FILE}.json").is_file():
+        buffer_state = load_state(folder, BUFFER_FILE, types=(GroupEntry, Rollout, DatumSpec))
+        ray.get(buffer.load_state_dict.remote(buffer_state))
+        next_target = load_state(folder, COLLECTOR_FILE)["next_target"]
     shared = SharedParts(parts.tokenizer, parts.train_sets, parts.envs)
     collector = make_collector_actor(cfg, shared, parts.generator, buffer, last, next_target,
                                      state.weight_version, parts.train_data.state_dict())

@@ -37,6 +37,8 @@ RNG_STEM = "rng"
 DAMAGED_SUFFIX = ".damaged"
 """A damaged step_N newer than the resume point is renamed step_N.damaged (kept for a person to
 look at, out of pruning's and resume's way)."""
+CONFIG_FILE = "config.json"
+"""The resolved run config a checkpoint was written under (compared with the config on resume)."""
 METRICS_FILE = "checkpoint_metrics.json"
 """Metrics of a checkpoint, kept beside it so pruning works the same after a restart."""
 
@@ -154,6 +156,7 @@ class CheckpointManager:
     `metrics[metric_name]`; checkpoints without a finite value of that metric rank below those
     with one, newest first, so with no metric at all the newest `keep_top_k` are kept.
     `keep_top_k=None` keeps everything. Saves are serialised by a lock (thread-safe).
+    `run_config` (JSON-able) is written into every checkpoint as config.json.
     """
 
     def __init__(
@@ -162,6 +165,7 @@ class CheckpointManager:
         keep_top_k: int | None = None,
         metric_name: str | None = None,
         higher_is_better: bool = True,
+        run_config: dict | None = None,
     ) -> None:
         if keep_top_k is not None and keep_top_k < 1:
             raise ValueError(f"keep_top_k must be >= 1 or None (keep all), got {keep_top_k}")
@@ -169,6 +173,7 @@ class CheckpointManager:
         self.keep_top_k = keep_top_k
         self.metric_name = metric_name
         self.higher_is_better = higher_is_better
+        self._config_text = _to_json(run_config, "run_config") if run_config is not None else None
         self._lock = threading.Lock()
         self._bad_metrics: set[Path] = set()
         self.root.mkdir(parents=True, exist_ok=True)
@@ -202,6 +207,12 @@ class CheckpointManager:
             return json.loads(file.read_text(encoding="utf-8"))
         except json.JSONDecodeError as err:
             raise ValueError(f"{file}: not valid JSON ({err})") from err
+
+    @staticmethod
+    def load_run_config(path: Path) -> dict | None:
+        """The run config saved in checkpoint `path`, None if it has none."""
+        file = Path(path) / CONFIG_FILE
+        return json.loads(file.read_text(encoding="utf-8")) if file.is_file() else None
 
     def newest_intact(self, say: Callable[[str], None]) -> Path | None:
         """The newest checkpoint whose files match its manifest, None if there are no checkpoints.
@@ -256,6 +267,8 @@ class CheckpointManager:
                 write_fn(tmp)
                 if metrics_text is not None:
                     (tmp / METRICS_FILE).write_text(metrics_text, encoding="utf-8")
+                if self._config_text is not None:
+                    (tmp / CONFIG_FILE).write_text(self._config_text, encoding="utf-8")
                 (tmp / TRAINER_STATE_FILE).write_text(state_text, encoding="utf-8")  # the marker
                 write_manifest(tmp)  # hashes of everything above, checked by `newest_intact`
                 _fsync_tree(tmp)

@@ -10,7 +10,9 @@ logger that needs them is built.
 Resume: a run restarted from a checkpoint at step N replays steps N+1, N+2, ...; the JSONL
 files drop their rows with step > N first, and TensorBoard purges events after N, so no step
 appears twice. The wandb run id is kept in `wandb_id.txt` so a resumed run continues the same
-wandb run.
+wandb run. A start from step 0 in a used run folder (a restart before the first checkpoint)
+replays everything: the JSONL files are emptied, TensorBoard purges from step 0 and wandb gets a
+new run id (wandb cannot take back logged steps).
 """
 
 from __future__ import annotations
@@ -208,10 +210,13 @@ class MetricsLogger:
 
         self.metrics_path = self.run_dir / METRICS_FILE
         self.samples_path = self.run_dir / SAMPLES_FILE
-        if start_step > 0:
-            for path in (self.metrics_path, self.samples_path):
-                if dropped := truncate_jsonl(path, start_step):
-                    log.info("resume at step %d: dropped %d rows from %s", start_step, dropped, path)
+        # From step 0 every earlier row is replayed, the step-0 validation included: keep none.
+        keep_through = start_step if start_step > 0 else -1
+        for path in (self.metrics_path, self.samples_path):
+            if dropped := truncate_jsonl(path, keep_through):
+                log.warning("start at step %d: dropped %d rows of steps it replays from %s", start_step, dropped, path)
+        if start_step == 0:
+            (self.run_dir / WANDB_ID_FILE).unlink(missing_ok=True)
         self._metrics_file = self.metrics_path.open("a", encoding="utf-8")
 
         self._wandb_run = self._init_wandb(config_dict) if cfg.wandb_enabled else None
@@ -250,9 +255,9 @@ class MetricsLogger:
             raise ValueError(
                 f"logger.tensorboard must not set log_dir: event files always go to <run folder>/{TENSORBOARD_DIR}"
             )
-        if self.start_step > 0:
-            # Hide events of the replayed steps (> start_step) written before the crash.
-            kwargs.setdefault("purge_step", self.start_step + 1)
+        if self.start_step > 0 or (self.run_dir / TENSORBOARD_DIR).exists():
+            # Hide events of the replayed steps (> start_step, or all from step 0) written before.
+            kwargs.setdefault("purge_step", self.start_step + 1 if self.start_step > 0 else 0)
         return writer_class(str(self.run_dir / TENSORBOARD_DIR), **kwargs)
 
     def _init_progress_bar(self):

@@ -1,7 +1,8 @@
 """Entry points behind `grpo train` and `grpo eval`: run folder, Ray, components, the loop.
 
 Returns process exit codes: 0 done, 1 the run stopped on a training problem (non-finite loss,
-refit mismatch: the last checkpoint stays intact), 2 a startup problem a person must fix.
+refit mismatch: the last checkpoint stays intact), 2 a startup problem a person must fix (among
+them: checkpoints exist but none is intact, or the config changed in a way resume refuses).
 """
 
 from __future__ import annotations
@@ -24,12 +25,37 @@ def say(message: str) -> None:
 
 def prepare_run_dir(run_dir: Path, raw: dict) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    saved = run_dir / "config.yaml"
-    if saved.exists():
-        previous = yaml.safe_load(saved.read_text())
-        if previous != raw:
-            say(f"note: {saved} differs from this run's config; resuming with the new one")
-    saved.write_text(yaml.safe_dump(raw, sort_keys=False))
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+
+
+def choose_resume_point(checkpoints, resolved: dict) -> Path | None:
+    """The newest intact checkpoint, after checking that this run's config may resume it.
+
+    Raises StartupError (one line) when checkpoints exist but none is intact, or when a key
+    outside `resume_config.APPLIED_ON_RESUME` changed since the checkpoint was written."""
+    from grpo_train import resume_config
+    from grpo_train.checkpoint import NoIntactCheckpoint
+
+    if checkpoints is None:
+        return None
+    try:
+        folder = checkpoints.newest_intact(say)
+    except NoIntactCheckpoint as exc:
+        raise StartupError(str(exc)) from None
+    if folder is None:
+        return None
+    saved = checkpoints.load_run_config(folder)
+    if saved is None:
+        say(f"warning: {folder} holds no config.json; the config cannot be compared with the one it was written under")
+        return folder
+    applied, refused = resume_config.split_changes(saved, resolved)
+    if refused:
+        raise StartupError(f"cannot resume {folder}: changed since it was written: {resume_config.describe(refused)}; "
+                           "restore these values or start a new run (--run-dir). Changeable on resume: "
+                           + ", ".join(resume_config.APPLIED_ON_RESUME))
+    if applied:
+        say(f"resuming with a changed config (applied): {resume_config.describe(applied)}")
+    return folder
 
 
 def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None = None) -> int:
@@ -39,6 +65,7 @@ def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None =
     from grpo_train.policy.worker import NonFiniteLossError
     from grpo_train.run_state import TrainerState, restore_checkpoint
     from grpo_train.setup import actor_env_vars, build_components, check_supported, init_ray, resolve_model_path
+    from grpo_train.state_io import StateFileError
     from grpo_train.sync_loop import total_steps, train_sync
 
     if cfg.algorithm == "ppo":  # the config's `ppo:` section picks PPO: same parts plus a value worker
@@ -53,10 +80,16 @@ def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None =
     except StartupError as exc:
         say(str(exc))
         return EXIT_STARTUP
-    prepare_run_dir(run_path, raw)
     ckpt_root = Path(cfg.checkpointing.checkpoint_dir or run_path / "checkpoints")
     checkpoints = CheckpointManager(ckpt_root, cfg.checkpointing.keep_top_k, cfg.checkpointing.metric_name,
-                                    cfg.checkpointing.higher_is_better) if cfg.checkpointing.enabled else None
+                                    cfg.checkpointing.higher_is_better, run_config=cfg.model_dump(mode="json")
+                                    ) if cfg.checkpointing.enabled else None
+    try:
+        resume_from = choose_resume_point(checkpoints, cfg.model_dump(mode="json"))
+    except StartupError as exc:
+        say(str(exc))
+        return EXIT_STARTUP
+    prepare_run_dir(run_path, raw)
     say(f"run folder {run_path}")
     init_ray(cfg.cluster, actor_env_vars())
     parts = None
@@ -68,13 +101,16 @@ def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None =
             say(str(exc))
             return EXIT_STARTUP
         state = TrainerState()
-        latest = checkpoints.latest() if checkpoints else None
-        if latest is not None:
-            state = restore_checkpoint(latest, parts, getattr(parts, "extra_workers", None))
+        if resume_from is not None:
+            try:
+                state = restore_checkpoint(resume_from, parts, getattr(parts, "extra_workers", None))
+            except StateFileError as exc:  # matched its manifest, yet not a state file grpo wrote
+                say(f"cannot resume {resume_from}: {str(getattr(exc, 'cause', None) or exc).splitlines()[0]}")
+                return EXIT_STARTUP
             from grpo_train.train_step import push_weights
 
             push_weights(parts.policy, parts.generator, state.weight_version)
-            say(f"resumed from {latest} (step {state.step})")
+            say(f"resumed from {resume_from} (step {state.step}; every file matched its manifest)")
         last = total_steps(cfg, parts.train_data)
         if state.step >= last:
             say(f"this run already finished {state.step} steps; pass --run-dir to start a new run")

@@ -3,7 +3,8 @@
 A checkpoint folder holds the policy (weights, optimizer, scheduler, its torch RNG), PPO's
 value model likewise (`value/`, via `extra_workers`), the dataloader position, the driver's
 RNG states and `trainer_state.json`. The generator's weights are not saved: they are the
-policy's, pushed again on resume.
+policy's, pushed again on resume. Every state file is a safetensors + JSON pair (`state_io`):
+nothing in a checkpoint is unpickled.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import ray
-import torch
 
 
 @dataclass
@@ -34,25 +34,28 @@ class TrainerState:
 def save_checkpoint(manager, parts, state: TrainerState, metrics: dict[str, float] | None,
                     extra_workers: dict | None = None, extra_files: dict | None = None) -> Path:
     """`extra_workers` (folder name -> actor with save/load, e.g. PPO's {"value": ...}) are saved beside the policy.
-    `extra_files` (file stem -> object) are saved as `<stem>.pt`; the async loop's replay buffer and collector,
-    whose "dataloader" (the collector's position) replaces the driver's."""
-    from grpo_train.checkpoint import atomic_torch_save, save_rng_state
+    `extra_files` (file stem -> object) are saved as state files `<stem>.{json,safetensors}`; the async loop's
+    replay buffer and collector, whose "dataloader" (the collector's position) replaces the driver's."""
+    from grpo_train.checkpoint import save_rng_state
+    from grpo_train.state_io import save_state
 
     def write(folder: Path) -> None:
         ray.get(parts.policy.save.remote(str(folder / "policy")))
         ray.get([actor.save.remote(str(folder / name)) for name, actor in (extra_workers or {}).items()])
         for stem, obj in {"dataloader": parts.train_data.state_dict(), **(extra_files or {})}.items():
-            atomic_torch_save(obj, folder / f"{stem}.pt")
-        save_rng_state(folder / "rng.pt")
+            save_state(obj, folder, stem)
+        save_rng_state(folder)
 
     return manager.save(state.step, write, state.to_json(), metrics)
 
 
 def restore_checkpoint(folder: Path, parts, extra_workers: dict | None = None) -> TrainerState:
+    """Load checkpoint `folder` (already checked against its manifest) into the run's parts."""
     from grpo_train.checkpoint import CheckpointManager, load_rng_state
+    from grpo_train.state_io import load_state
 
     ray.get(parts.policy.load.remote(str(folder / "policy")))
     ray.get([actor.load.remote(str(folder / name)) for name, actor in (extra_workers or {}).items()])
-    parts.train_data.load_state_dict(torch.load(folder / "dataloader.pt", weights_only=False))
-    load_rng_state(folder / "rng.pt")
+    parts.train_data.load_state_dict(load_state(folder, "dataloader"))
+    load_rng_state(folder)
     return TrainerState.from_json(CheckpointManager.load_trainer_state(folder))

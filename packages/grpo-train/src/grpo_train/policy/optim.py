@@ -45,3 +45,29 @@ def build_scheduler(optimizer: torch.optim.Optimizer, entries: list[SchedulerEnt
     if milestones is None or len(milestones) != len(schedulers) - 1:
         raise ValueError(f"policy.scheduler: {len(schedulers)} schedulers need {len(schedulers) - 1} milestones, got {milestones}")
     return torch.optim.lr_scheduler.SequentialLR(optimizer, schedulers, milestones=milestones)
+
+
+def apply_optimizer_config(optimizer: torch.optim.Optimizer, scheduler, cfg: OptimizerConfig) -> None:
+    """After a checkpoint's optimizer and scheduler states are loaded: this run's config kwargs
+    replace the saved hyperparameters (the moment estimates and step counts stay the checkpoint's).
+
+    A changed `lr` becomes the new base lr of the schedule: the current lr keeps its place in the
+    schedule (lr = new_base * lr / old_base) and the scheduler's base lrs follow, so its next steps
+    stay on the new scale. Unchanged values are left untouched (bitwise resume)."""
+    kwargs = dict(cfg.kwargs)
+    if "betas" in kwargs:
+        kwargs["betas"] = tuple(kwargs["betas"])
+    new_lr = kwargs.pop("lr", None)
+    for group in optimizer.param_groups:
+        for key, value in kwargs.items():
+            if key in group and group[key] != value:
+                group[key] = value
+        old_base = group.get("initial_lr", group["lr"])
+        if new_lr is not None and old_base != new_lr:
+            group["lr"] = new_lr * (group["lr"] / old_base) if old_base else new_lr
+            group["initial_lr"] = new_lr
+    if new_lr is None:
+        return
+    for sched in (scheduler, *getattr(scheduler, "_schedulers", ())):
+        sched.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
+        sched._last_lr = [group["lr"] for group in optimizer.param_groups]

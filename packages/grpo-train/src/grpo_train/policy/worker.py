@@ -19,7 +19,7 @@ from grpo_train.batch import batch_size
 from grpo_train.config.schema import LossConfig, PolicyConfig
 from grpo_train.policy import fsdp, microbatch
 from grpo_train.policy.logprobs import packed_logprobs, sequence_logprobs
-from grpo_train.policy.optim import build_optimizer, build_scheduler
+from grpo_train.policy.optim import apply_optimizer_config, build_optimizer, build_scheduler
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Metrics of clipped_pg_loss that are min/max rather than partial sums.
@@ -29,19 +29,21 @@ _MAX_METRICS = ("ratio_max", "clipped_ratio_max")
 # folder loads alone (vLLM in `grpo eval --checkpoint` reads its tokenizer from the model folder).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
+# The worker's non-weight state: key in `read_checkpoint`'s dict -> state file stem (state_io).
+STATE_FILES = {"optimizer": "optimizer", "scheduler": "scheduler", "rng": "torch_rng"}
 
 
 def read_checkpoint(folder: Path) -> dict:
     """A policy checkpoint folder (written by `PolicyWorker.save`) in memory: model (HF
-    safetensors), optimizer, scheduler and torch RNG state."""
+    safetensors), optimizer, scheduler and torch RNG state (state files, no pickle)."""
     from safetensors.torch import load_file
+
+    from grpo_train.state_io import load_state
 
     model: dict[str, torch.Tensor] = {}
     for shard in sorted((folder / "model").glob("*.safetensors")):
         model.update(load_file(shard))
-    return {"model": model, "optimizer": torch.load(folder / "optimizer.pt", weights_only=False),
-            "scheduler": torch.load(folder / "scheduler.pt", weights_only=False),
-            "rng": torch.load(folder / "torch_rng.pt")}
+    return {"model": model, **{key: load_state(folder, stem) for key, stem in STATE_FILES.items()}}
 
 
 class NonFiniteLossError(RuntimeError):
@@ -220,7 +222,7 @@ class PolicyWorker:
         Every rank calls it: under FSDP2 the ranks gather the full tensors together, so a
         sharded checkpoint has the unsharded format (and `grpo eval --checkpoint` reads it).
         Atomicity is the caller's folder (CheckpointManager writes into a temporary one)."""
-        from grpo_train.checkpoint import atomic_torch_save
+        from grpo_train.state_io import save_state
 
         keep = self.rank == 0
         model_state = fsdp.full_model_state(self.model) if self._sharded else None
@@ -231,9 +233,9 @@ class PolicyWorker:
         folder = Path(folder)
         self.model.save_pretrained(folder / "model", state_dict=model_state, safe_serialization=True)
         self._copy_tokenizer(folder / "model")
-        atomic_torch_save(optimizer_state, folder / "optimizer.pt")
-        atomic_torch_save(self.scheduler.state_dict(), folder / "scheduler.pt")
-        atomic_torch_save(torch.get_rng_state(), folder / "torch_rng.pt")
+        states = {"optimizer": optimizer_state, "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state()}
+        for key, stem in STATE_FILES.items():
+            save_state(states[key], folder, stem)
 
     def _copy_tokenizer(self, folder: Path) -> None:
         import shutil
@@ -256,6 +258,7 @@ class PolicyWorker:
         else:
             ckpt = self._scatter_checkpoint(read_checkpoint(folder) if self.rank == 0 else None, folder)
         self.scheduler.load_state_dict(ckpt["scheduler"])
+        apply_optimizer_config(self.optimizer, self.scheduler, self.cfg.optimizer)
         torch.set_rng_state(ckpt["rng"])
 
     def _scatter_checkpoint(self, ckpt: dict | None, folder: Path) -> dict:

@@ -20,7 +20,7 @@ from grpo_train.batch import batch_size
 from grpo_train.config.schema import ValueConfig, ValueLossConfig
 from grpo_train.policy import microbatch
 from grpo_train.policy.logprobs import packed_hidden_states
-from grpo_train.policy.optim import build_optimizer, build_scheduler
+from grpo_train.policy.optim import apply_optimizer_config, build_optimizer, build_scheduler
 from grpo_train.policy.worker import DTYPES, NonFiniteLossError
 from grpo_train.ppo.value_loss import value_loss_fn
 
@@ -151,18 +151,20 @@ class ValueWorker:
         """Weights (HF backbone + head safetensors), optimizer, scheduler, RNG. One rank saves."""
         from safetensors.torch import save_file
 
-        from grpo_train.checkpoint import atomic_torch_save
+        from grpo_train.state_io import save_state
 
         folder = Path(folder)
         self.model.backbone.save_pretrained(folder / "model", safe_serialization=True)
         save_file({k: v.contiguous() for k, v in self.model.head.state_dict().items()}, str(folder / "model" / HEAD_FILE))
-        atomic_torch_save(self.optimizer.state_dict(), folder / "optimizer.pt")
-        atomic_torch_save(self.scheduler.state_dict(), folder / "scheduler.pt")
-        atomic_torch_save(torch.get_rng_state(), folder / "torch_rng.pt")
+        save_state(self.optimizer.state_dict(), folder, "optimizer")
+        save_state(self.scheduler.state_dict(), folder, "scheduler")
+        save_state(torch.get_rng_state(), folder, "torch_rng")
 
     def load(self, folder: str) -> None:
         """What `save` wrote; every rank loads the same files."""
         from safetensors.torch import load_file
+
+        from grpo_train.state_io import load_state
 
         folder = Path(folder)
         backbone = {}
@@ -171,9 +173,10 @@ class ValueWorker:
                 backbone.update(load_file(shard))
         self.model.backbone.load_state_dict(backbone, strict=True)
         self.model.head.load_state_dict(load_file(folder / "model" / HEAD_FILE, device=str(self.device)), strict=True)
-        self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=False))
-        self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
-        torch.set_rng_state(torch.load(folder / "torch_rng.pt"))
+        self.optimizer.load_state_dict(load_state(folder, "optimizer"))
+        self.scheduler.load_state_dict(load_state(folder, "scheduler"))
+        apply_optimizer_config(self.optimizer, self.scheduler, self.cfg.optimizer)
+        torch.set_rng_state(load_state(folder, "torch_rng"))
 
     def weights(self) -> dict[str, torch.Tensor]:
         """Every parameter by name, on CPU."""
