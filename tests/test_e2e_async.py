@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
+
+from grpo_train.state_io import load_state
 
 SHORT = ["grpo.num_prompts_per_step=8", "policy.train_global_batch_size=64", "policy.train_micro_batch_size=32",
          "grpo.max_val_samples=32", "grpo.val_at_start=false", "logger.wandb_enabled=false",
@@ -52,7 +53,12 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def buffer_records(checkpoint: Path) -> list[dict]:
-    return torch.load(checkpoint / "replay_buffer.pt", weights_only=False)["records"]
+    from grpo_data.records import DatumSpec
+
+    from grpo_train.batch import Rollout
+    from grpo_train.replay_buffer import GroupEntry
+
+    return load_state(checkpoint, "replay_buffer", types=(GroupEntry, Rollout, DatumSpec))["records"]
 
 
 @pytest.mark.slow
@@ -97,7 +103,7 @@ def test_kill_and_resume_trains_every_prompt_once_within_the_age_bound(tmp_path)
         time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert torch.load(resumed / "checkpoints" / "step_3" / "collector.pt")["next_target"] == 5
+    assert load_state(resumed / "checkpoints" / "step_3", "collector")["next_target"] == 5
     # The resumed run starts up while the uninterrupted one finishes its last steps.
     resume = start_grpo("--run-dir", str(resumed), *common, cwd=tmp_path)
     try:

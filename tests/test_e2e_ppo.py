@@ -94,7 +94,7 @@ def test_ppo_value_loss_falls_and_held_out_accuracy_rises(straight_run):
     assert max(losses[3:]) < 0.6 * losses[0], losses
     assert val[-1]["accuracy"] > val[0]["accuracy"] + 0.05, [v["accuracy"] for v in val]
     value_dir = straight_run / "checkpoints" / "step_6" / "value"
-    assert (value_dir / "model" / "value_head.safetensors").is_file() and (value_dir / "optimizer.pt").is_file()
+    assert (value_dir / "model" / "value_head.safetensors").is_file() and (value_dir / "optimizer.safetensors").is_file()
 
 
 @pytest.mark.slow
