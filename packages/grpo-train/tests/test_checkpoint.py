@@ -194,6 +194,25 @@ def test_pruning_ranks_checkpoints_without_the_metric_last(tmp_path):
     assert json.loads((tmp_path / "step_1" / "checkpoint_metrics.json").read_text()) == {"val_accuracy": 0.4}
 
 
+@pytest.mark.parametrize("damage", ["{not json", "[1, 2]", "\udcff", b"\xff\xfe"])
+def test_an_unreadable_metrics_file_of_an_old_checkpoint_does_not_stop_later_saves(tmp_path, caplog, damage):
+    manager = CheckpointManager(tmp_path, keep_top_k=2, metric_name="val_accuracy")
+    for step, accuracy in ((1, 0.9), (2, 0.1), (3, 0.5)):
+        manager.save(step, write_text("x", ""), {"step": step}, {"val_accuracy": accuracy})
+    assert manager.all_steps() == [1, 3]
+    metrics_file = tmp_path / "step_1" / "checkpoint_metrics.json"
+    if isinstance(damage, bytes):
+        metrics_file.write_bytes(damage)
+    else:
+        metrics_file.write_text(damage, encoding="utf-8", errors="surrogateescape")
+    for step in (4, 5):
+        manager.save(step, write_text("x", ""), {"step": step}, {"val_accuracy": 0.2})
+    # step_1 now ranks as having no metric: best two are 3 (0.5) and 5 (0.2, newer of the 0.2s), plus the newest.
+    assert manager.all_steps() == [3, 5]
+    warnings = [r.getMessage() for r in caplog.records if "checkpoint_metrics.json is unreadable" in r.getMessage()]
+    assert len(warnings) == 1 and "step_1" in warnings[0]
+
+
 # ------------------------------------------------------------------------------ helpers
 def draws():
     np = pytest.importorskip("numpy")

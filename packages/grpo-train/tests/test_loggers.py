@@ -68,6 +68,32 @@ def test_resume_drops_replayed_steps(tmp_path):
     assert (tmp_path / "samples.jsonl").read_text() == ""
 
 
+def test_a_restart_before_the_first_checkpoint_replaces_the_logs(tmp_path):
+    """The run died at step 3 without a checkpoint: it starts again from step 0 in the same
+    folder, and the logs must read 1, 2 (not 1, 2, 3, 1, 2)."""
+    with make_logger(tmp_path, wandb_enabled=True) as logger:
+        logger.log({"accuracy": 0.1}, step=0, split="val")
+        for step in (1, 2, 3):
+            logger.log({"reward_mean": step / 10}, step=step)
+        logger.log_samples([{"prompt": "p", "response": "r", "reward": 1.0}], step=0)
+    first_id = (tmp_path / "wandb_id.txt").read_text()
+    with make_logger(tmp_path, wandb_enabled=True) as logger:
+        for step in (1, 2):
+            logger.log({"reward_mean": step}, step=step)
+    assert [(r["step"], r["reward_mean"]) for r in read_jsonl(tmp_path / "metrics.jsonl")] == [(1, 1), (2, 2)]
+    assert (tmp_path / "samples.jsonl").read_text() == ""
+    assert (tmp_path / "wandb_id.txt").read_text() != first_id  # a new wandb run: it cannot un-log steps
+
+
+def test_a_restart_from_step_0_purges_tensorboard(tmp_path):
+    with make_logger(tmp_path, tensorboard_enabled=True) as logger:
+        for step in (1, 2, 3):
+            logger.log({"reward_mean": float(step)}, step=step)
+    with make_logger(tmp_path, tensorboard_enabled=True) as logger:
+        logger.log({"reward_mean": 10.0}, step=1)
+    assert read_tensorboard(tmp_path)["train/reward_mean"] == [(1, 10.0)]
+
+
 def test_resume_drops_a_torn_last_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "split": "train", "x": 1}\n{"step": 2, "spl')
