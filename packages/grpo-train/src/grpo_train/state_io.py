@@ -25,7 +25,7 @@ from typing import Any
 
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = 1
-HASH_ALGORITHM = "sha256"  # measured faster than blake2b here (SHA-NI): benchmarks/results/checkpoint-hash.md
+HASH_ALGORITHM = "sha256"  # measured faster than blake2b here (SHA-NI): benchmarks/results/checkpoint_hash_cpu.md
 _CHUNK = 1 << 22  # 4 MiB reads while hashing
 
 _TENSOR, _TUPLE, _ITEMS, _DATACLASS = "__tensor__", "__tuple__", "__items__", "__dataclass__"
