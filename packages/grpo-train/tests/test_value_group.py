@@ -80,7 +80,7 @@ def test_checkpoint_from_rank_0_resumes_every_rank_bitwise(group, tiny_qwen2_dir
     folder is the single worker's format (a single worker loads it to the same weights)."""
     folder = str(tmp_path / "value")
     ray.get(group.save.remote(folder))
-    assert (tmp_path / "value" / "model" / HEAD_FILE).is_file() and (tmp_path / "value" / "optimizer.pt").is_file()
+    assert (tmp_path / "value" / "model" / HEAD_FILE).is_file() and (tmp_path / "value" / "optimizer.safetensors").is_file()
     saved = ray.get(group.weights.remote())
     batch = make_batch(seed=1)
     first = ray.get(group.train.remote(batch)), ray.get([w.weights.remote() for w in group.workers])

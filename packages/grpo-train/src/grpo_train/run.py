@@ -153,6 +153,7 @@ def evaluate(cfg: GRPOMasterConfig, raw: dict, checkpoint: str | None = None) ->
     import json
 
     from grpo_train.setup import actor_env_vars, build_components, init_ray, resolve_model_path
+    from grpo_train.state_io import verify_manifest
     from grpo_train.sync_loop import sampling_spec
     from grpo_train.validation import validate
 
@@ -160,6 +161,8 @@ def evaluate(cfg: GRPOMasterConfig, raw: dict, checkpoint: str | None = None) ->
         model_path = str(Path(checkpoint) / "policy" / "model") if checkpoint else resolve_model_path(cfg.policy.model_name)
         if checkpoint and not Path(model_path).is_dir():
             raise StartupError(f"--checkpoint: {checkpoint} has no policy/model folder")
+        if checkpoint and (problem := verify_manifest(Path(checkpoint))) is not None:
+            raise StartupError(f"--checkpoint: {checkpoint} is damaged: {problem}")
         init_ray(cfg.cluster, actor_env_vars())
         parts = build_components(cfg, model_path)
     except StartupError as exc:
