@@ -19,6 +19,7 @@ APPLIED_ON_RESUME: tuple[str, ...] = (
     "value.optimizer.kwargs.*",
     "grpo.max_num_steps",
     "grpo.max_num_epochs",
+    "grpo.async_grpo.max_trajectory_age_steps",  # restored groups older than the new bound are regenerated
     "grpo.val_*",
     "grpo.max_val_samples",
     "logger.*",
