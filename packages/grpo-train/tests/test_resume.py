@@ -251,3 +251,13 @@ def test_a_refused_change_stops_train_with_one_line_and_keeps_the_saved_config(t
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "grpo.num_generations_per_prompt (4 -> 2)" in err[0]
     assert (run_dir / "config.yaml").read_text() == "grpo: {num_generations_per_prompt: 4}\n"
+
+
+def test_every_changeable_pattern_names_real_config_keys():
+    from fnmatch import fnmatchcase
+
+    from grpo_train.resume_config import APPLIED_ON_RESUME, flatten
+
+    keys = flatten(GRPOMasterConfig(ppo={}).model_dump(mode="json"))
+    for pattern in APPLIED_ON_RESUME:
+        assert any(fnmatchcase(k, pattern) for k in keys), pattern
