@@ -53,6 +53,13 @@ def test_dataclasses_only_come_back_when_allow_listed(tmp_path):
         load_state(tmp_path, "buffer", types=(Rollout, DatumSpec))
 
 
+def test_numpy_scalars_are_stored_as_python_numbers(tmp_path):
+    import numpy as np
+
+    save_state({"x": np.float32(0.5), "n": np.int64(3), "b": np.bool_(True)}, tmp_path, "s")
+    assert load_state(tmp_path, "s") == {"x": 0.5, "n": 3, "b": True}
+
+
 def test_values_that_cannot_be_stored_are_refused_at_save(tmp_path):
     with pytest.raises(TypeError, match=r"s\.f: cannot store a function"):
         save_state({"f": lambda: None}, tmp_path, "s")

@@ -42,10 +42,13 @@ def _type_name(cls: type) -> str:
 
 
 def _encode(value: Any, tensors: dict, where: str) -> Any:
+    import numpy as np
     import torch
 
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
+    if isinstance(value, np.generic):  # a numpy scalar in env metadata: stored as the Python number
+        return value.item()
     if isinstance(value, torch.Tensor):
         key = str(len(tensors))
         # A private contiguous CPU copy: safetensors refuses tensors that share storage.
