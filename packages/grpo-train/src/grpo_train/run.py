@@ -115,6 +115,8 @@ def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None =
         if state.step >= last:
             say(f"this run already finished {state.step} steps; pass --run-dir to start a new run")
             return EXIT_OK
+        if state.step == 0 and (run_path / "metrics.jsonl").is_file() and (run_path / "metrics.jsonl").stat().st_size:
+            say(f"no checkpoint to resume: starting from step 0; the earlier logs in {run_path} are replaced")
         logger = MetricsLogger(cfg.logger, run_path, run_name, raw, total_steps=last, start_step=state.step)
         try:
             if cfg.grpo.async_grpo.enabled:
