@@ -105,7 +105,7 @@ def test_a_flipped_bit_falls_back_to_the_newest_intact_checkpoint(two_checkpoint
     assert manager.all_steps() == [2] and (manager.root / "step_4.damaged" / victim).is_file()
 
 
-def test_a_missing_or_truncated_file_falls_back_too(two_checkpoints):
+def test_none_intact_raises_one_line_and_renames_nothing(two_checkpoints):
     manager = two_checkpoints
     (manager.step_dir(4) / "rng.safetensors").unlink()
     path = manager.step_dir(2) / "policy" / "scheduler.json"
@@ -116,6 +116,7 @@ def test_a_missing_or_truncated_file_falls_back_too(two_checkpoints):
     message = str(info.value)
     assert "\n" not in message and "no intact checkpoint" in message
     assert "rng.safetensors is missing" in message and "policy/scheduler.json: size" in message
+    assert manager.all_steps() == [2, 4] and not said  # nothing renamed: a rerun meets the same stop, never a fresh start
 
 
 def no_ray(*args, **kwargs):

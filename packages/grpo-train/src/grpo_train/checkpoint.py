@@ -4,9 +4,10 @@
 optimizer, dataloader, RNG state, ...) into a fresh hidden temporary folder, adds
 `trainer_state.json` as the completeness marker and `manifest.json` (a content hash of every file,
 see `state_io`), fsyncs everything and renames the folder to `step_N` in one step. On resume
-`newest_intact` checks the hashes and falls back past damaged checkpoints. A crash at any point leaves either the previous checkpoints untouched
-or the new one complete; hidden leftovers (`.tmp-*`, `.old-*`, `.del-*`) are never mistaken for
-checkpoints and are cleaned up by the next manager that finds their process gone.
+`newest_intact` checks the hashes and falls back past damaged checkpoints. A crash at any
+point leaves either the previous checkpoints untouched or the new one complete; hidden
+leftovers (`.tmp-*`, `.old-*`, `.del-*`) are never mistaken for checkpoints and are cleaned up
+by the next manager that finds their process gone.
 
 This module decides where and how checkpoints land, never what is in them: it knows nothing
 about models or optimizers. torch and numpy are imported only inside the functions that need
@@ -217,21 +218,23 @@ class CheckpointManager:
     def newest_intact(self, say: Callable[[str], None]) -> Path | None:
         """The newest checkpoint whose files match its manifest, None if there are no checkpoints.
 
-        Each damaged newer checkpoint is renamed step_N.damaged (so neither resume nor pruning
-        picks it again) and reported through `say` in one line. Raises NoIntactCheckpoint when
-        checkpoints exist but none is intact."""
-        damaged = []
+        The damaged checkpoints newer than it are renamed step_N.damaged (so neither resume nor
+        pruning picks them again) and reported through `say` in one line. Raises
+        NoIntactCheckpoint, renaming nothing, when checkpoints exist but none is intact."""
+        damaged: list[tuple[Path, str]] = []
         for step in reversed(self.all_steps()):
             folder = self.step_dir(step)
             problem = verify_manifest(folder)
             if problem is None:
                 if damaged:
+                    moved = "; ".join(f"{bad.name} ({why}) -> {self._set_aside_damaged(bad).name}" for bad, why in damaged)
                     say(f"warning: resuming from {folder.name}: newer checkpoint(s) failed their "
-                        f"{MANIFEST_FILE} check and were moved aside: {'; '.join(damaged)}")
+                        f"{MANIFEST_FILE} check and were moved aside: {moved}")
                 return folder
-            damaged.append(f"{folder.name} ({problem}) -> {self._set_aside_damaged(folder).name}")
+            damaged.append((folder, problem))
         if damaged:
-            raise NoIntactCheckpoint(f"no intact checkpoint under {self.root}: {'; '.join(damaged)}; "
+            found = "; ".join(f"{bad.name} ({why})" for bad, why in damaged)
+            raise NoIntactCheckpoint(f"no intact checkpoint under {self.root}: {found}; "
                                      "restore them or start a new run (--run-dir)")
         return None
 
