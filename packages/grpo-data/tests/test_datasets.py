@@ -7,7 +7,7 @@ from grpo_data.records import TaskSpec
 from grpo_data.testing import token_id
 
 
-def test_processed_dataset_applies_the_processor_lazily(tokenizer):
+def test_processed_dataset_processes_every_row_once_at_build(tokenizer):
     calls = []
 
     def spy(row, task_spec, tok, max_seq_length, idx):
@@ -15,9 +15,12 @@ def test_processed_dataset_applies_the_processor_lazily(tokenizer):
         return build_dataset({"dataset_name": "arithmetic", "size": 1}, tok)[0]
 
     ds = ProcessedDataset(ArithmeticDataset(5, seed=0), spy, TaskSpec("t"), tokenizer, 16)
-    assert len(ds) == 5 and calls == []
-    ds[3]
-    assert calls == [3]
+    assert len(ds) == 5 and calls == [0, 1, 2, 3, 4]
+    ds[3], ds[3]
+    assert calls == [0, 1, 2, 3, 4]
+    lazy = ProcessedDataset(ArithmeticDataset(5, seed=0), spy, TaskSpec("t"), tokenizer, 16, preprocess=False)
+    lazy[3]
+    assert calls[5:] == [3]
 
 
 def test_build_dataset_arithmetic_demo(tokenizer, tmp_path):
@@ -52,14 +55,12 @@ def test_truncations_are_counted(tokenizer):
 
 def test_strict_truncation_names_the_row(tokenizer, tmp_path, jsonl):
     path = jsonl(tmp_path / "t.jsonl", [{"input": "1", "output": "1"}, {"input": "1234567", "output": "1"}])
-    ds = build_dataset(
-        {"dataset_name": "ResponseDataset", "data_path": str(path), "processor": "plain",
-         "max_input_seq_length": 4, "on_overlong": "error"},
-        tokenizer,
-    )  # fmt: skip
-    ds[0]
+    cfg = {"dataset_name": "ResponseDataset", "data_path": str(path), "processor": "plain",
+           "max_input_seq_length": 4, "on_overlong": "error"}
     with pytest.raises(DataError, match=r"t\.jsonl, line 2: item 1 .*7 tokens"):
-        ds[1]
+        build_dataset(cfg, tokenizer)
+    kept = build_dataset(cfg, tokenizer, bad_rows="skip")  # on_overlong: error + skip drops overlong prompts
+    assert len(kept) == 1 and kept.num_skipped == 1 and kept[0].token_ids.tolist() == [token_id("1")]
 
 
 def test_build_data_lists_defaults_and_carved_validation(tokenizer, tmp_path, jsonl):

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from grpo_data.bad_rows import BadRows
 from grpo_data.errors import DataError
 from grpo_data.response_dataset import DEFAULT_SEED, ResponseDataset
 
@@ -130,6 +131,7 @@ def load_builtin(
     seed: int = DEFAULT_SEED,
     val_data_path=None,
     task_name: str | None = None,
+    bad_rows: BadRows | None = None,
 ) -> ResponseDataset:
     """Load a built-in dataset from the hub or, with `data_path`, from a local copy."""
     spec = find_builtin(name)
@@ -156,4 +158,5 @@ def load_builtin(
         repeat=spec.repeat if repeat is None else repeat,
         answer_transform=spec.answer_transform,
         hint=hint,
+        bad_rows=bad_rows,
     )

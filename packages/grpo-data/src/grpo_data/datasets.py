@@ -1,8 +1,10 @@
 """Processed datasets, and building them from the `data` section of a config.
 
-A `ProcessedDataset` applies a processor lazily, row by row, so a dataloader's worker
-processes do the tokenising. `build_dataset` turns one dataset entry of the config (a plain
-dict shaped like NeMo RL's data section) into one; `build_data` does the whole section:
+A `ProcessedDataset` checks, processes and tokenises every row once when it is built and
+keeps the prompts, so a run never meets a bad row at the step that draws it and a long prompt
+is not tokenised again at every draw; bad rows are refused or skipped per `data.bad_rows`
+(`grpo_data.bad_rows`). `build_dataset` turns one dataset entry of the config (a plain dict
+shaped like NeMo RL's data section) into one; `build_data` does the whole section:
 
     data:
       max_input_seq_length: 256
@@ -12,12 +14,14 @@ dict shaped like NeMo RL's data section) into one; `build_data` does the whole s
         - {dataset_name: ResponseDataset, data_path: my.jsonl, input_key: q, output_key: a}
       validation:
         - {dataset_name: AIME2024, repeat: 16}
+      bad_rows: refuse             # or skip (count and leave out rows that cannot be used)
 
 Rows carved off a training set by `split_validation_size` join the validation list.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +30,7 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from grpo_data.arithmetic import DEFAULT_DIGITS, DEFAULT_OPERATIONS, ArithmeticDataset
+from grpo_data.bad_rows import DEFAULT_POLICY, BadRows, row_problem
 from grpo_data.builtin_datasets import BUILTIN_DATASETS, find_builtin, load_builtin
 from grpo_data.errors import DataError
 from grpo_data.processors import check_processor_options, get_processor
@@ -57,11 +62,18 @@ PROCESSOR_OPTION_KEYS = ("chat_template_kwargs", "on_overlong")
 
 
 class ProcessedDataset(Dataset):
-    """`processor(rows_dataset[i], task_spec, tokenizer, max_seq_length, i)` for item i, lazily.
+    """`processor(rows_dataset[i], task_spec, tokenizer, max_seq_length, i)` for every row.
+
+    With `preprocess=True` (the default) every row is checked (`bad_rows.row_problem`: valid
+    Unicode, bounded nesting), processed and tokenised here, once; a row that fails, or whose
+    prompt has no tokens, goes to `bad_rows` (refused by default, or skipped and counted in
+    `num_skipped`), and items are copies of the stored prompts. With `preprocess=False` the
+    processor runs at each draw instead (rows that grpo's own code generates, see
+    `build_dataset_parts`).
 
     `env_name`, if given, routes every item whose row does not name its own environment.
-    Truncated prompts are kept (loss_multiplier 0) and counted in `num_truncated` (in this
-    process; in worker processes count `datum.truncated` in the batches instead).
+    Truncated prompts are kept (loss_multiplier 0) and counted in `num_truncated` (with
+    `preprocess=False`: in this process; in worker processes count `datum.truncated` instead).
     """
 
     def __init__(
@@ -75,6 +87,8 @@ class ProcessedDataset(Dataset):
         env_name: str | None = None,
         processor_kwargs: Mapping[str, Any] | None = None,
         name: str | None = None,
+        bad_rows: BadRows | None = None,
+        preprocess: bool = True,
     ) -> None:
         if len(rows_dataset) == 0:
             raise DataError(f"the dataset is empty: {getattr(rows_dataset, 'source', type(rows_dataset).__name__)}")
@@ -90,17 +104,38 @@ class ProcessedDataset(Dataset):
         self.name = name or task_spec.task_name
         self.source = getattr(rows_dataset, "source", self.name)
         self.num_truncated = 0
+        self.num_skipped = 0
+        self._datums: list[DatumSpec] | None = None
+        if preprocess:
+            self._datums = self._process_all(bad_rows if bad_rows is not None else BadRows(where=self.name))
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self._datums) if self._datums is not None else len(self.rows)
 
     def __getitem__(self, i: int) -> DatumSpec:
-        row = self.rows[i]
+        if self._datums is not None:
+            datum = self._datums[i]  # a copy: callers may extend a prompt's messages or env info
+            return dataclasses.replace(datum, message_log=[dict(m) for m in datum.message_log],
+                                       extra_env_info=dict(datum.extra_env_info))
         try:
-            datum = self.processor(row, self.task_spec, self.tokenizer, self.max_seq_length, i, **self.processor_kwargs)
+            return self._process(self.rows[i], i)
         except DataError as exc:
-            location = self.rows.location(i) if hasattr(self.rows, "location") else f"{self.source}, item {i}"
-            raise DataError(f"{location}: {exc}") from None
+            raise DataError(f"{self._location(i)}: {exc}") from None
+
+    def env_names(self) -> set[str]:
+        """The environments this dataset's prompts are routed to (with `preprocess=False`: the
+        first row's)."""
+        if self._datums is not None:
+            return {d.env_name for d in self._datums}
+        return {self[0].env_name}
+
+    def _location(self, i: int) -> str:
+        return self.rows.location(i) if hasattr(self.rows, "location") else f"{self.source}, item {i}"
+
+    def _process(self, row, i: int) -> DatumSpec:
+        datum = self.processor(row, self.task_spec, self.tokenizer, self.max_seq_length, i, **self.processor_kwargs)
+        if not isinstance(datum, DatumSpec):
+            raise DataError(f"processor {self.processor_name!r} returned {type(datum).__name__}, not a DatumSpec")
         if self.env_name and not row.get("env_name"):
             datum.env_name = self.env_name
         datum.dataset_name = self.name
@@ -114,6 +149,31 @@ class ProcessedDataset(Dataset):
                 )  # fmt: skip
         return datum
 
+    def _process_all(self, bad_rows: BadRows) -> list[DatumSpec]:
+        datums = []
+        skipped_before = bad_rows.count
+        for i in range(len(self.rows)):
+            row = self.rows[i]
+            problem = row_problem(row)
+            if problem is None:
+                try:
+                    datum = self._process(row, i)
+                except DataError as exc:
+                    problem = str(exc)
+                except Exception as exc:  # noqa: BLE001 - a user processor's failure on one row is a bad row
+                    problem = f"processor {self.processor_name!r} failed: {type(exc).__name__}: {exc}"
+                else:
+                    if datum.length < 1 or not any(len(m["token_ids"]) for m in datum.message_log):
+                        problem = "the prompt has no tokens"
+            if problem is not None:
+                bad_rows.reject(self._location(i), problem)
+                continue
+            datums.append(datum)
+        self.num_skipped = bad_rows.count - skipped_before
+        if not datums:
+            raise DataError(f"{self.source}: every row is bad ({self.num_skipped} skipped; first: {bad_rows.examples[0]})")
+        return datums
+
     def __repr__(self) -> str:
         return f"ProcessedDataset({self.name!r}, {len(self)} rows from {self.source!r}, processor={self.processor_name!r})"
 
@@ -124,6 +184,8 @@ class DataSplits:
 
     train: list[ProcessedDataset] = field(default_factory=list)
     validation: list[ProcessedDataset] = field(default_factory=list)
+    skipped_rows: dict[str, int] = field(default_factory=dict)
+    """Bad rows left out per dataset entry (key path) under `bad_rows: skip`; entries with none are absent."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,7 +215,7 @@ def _kind(cfg: Mapping[str, Any], where: str) -> str:
     return "builtin"
 
 
-def _load_rows(cfg: Mapping[str, Any], kind: str, where: str):
+def _load_rows(cfg: Mapping[str, Any], kind: str, where: str, bad_rows: BadRows):
     """(rows, carved validation rows or None, default task name) of one entry."""
     if kind == ARITHMETIC:
         seed = cfg.get("seed", DEFAULT_ARITHMETIC_SEED)
@@ -183,6 +245,7 @@ def _load_rows(cfg: Mapping[str, Any], kind: str, where: str):
             val_data_path=cfg.get("val_data_path"),
             val_split=cfg.get("val_split"),
             repeat=cfg.get("repeat", 1),
+            bad_rows=bad_rows,
         )
     else:
         ds = load_builtin(
@@ -196,21 +259,26 @@ def _load_rows(cfg: Mapping[str, Any], kind: str, where: str):
             split_validation_size=cfg.get("split_validation_size"),
             seed=seed,
             val_data_path=cfg.get("val_data_path"),
+            bad_rows=bad_rows,
         )
     return ds.train, ds.validation, ds.task_name
 
 
 def build_dataset_parts(
-    cfg: Mapping[str, Any], tokenizer, *, where: str = "data"
+    cfg: Mapping[str, Any], tokenizer, *, where: str = "data", bad_rows: str = DEFAULT_POLICY
 ) -> tuple[ProcessedDataset, ProcessedDataset | None]:
     """(main, validation) processed datasets of one entry; validation only if rows were carved
-    off (`split_validation_size`) or `val_data_path` was given."""
+    off (`split_validation_size`) or `val_data_path` was given. `bad_rows` is the policy for rows
+    that cannot be used ("refuse" or "skip", see grpo_data.bad_rows); the skipped ones are
+    counted in `num_skipped` and logged in one line."""
     if not isinstance(cfg, Mapping):
         raise DataError(f"{where}: expected a mapping of dataset keys, got {type(cfg).__name__}")
     cfg = {k: v for k, v in cfg.items() if v is not None}  # null means "not set" (typed configs dump it)
     kind = _kind(cfg, where)
     _check_keys(cfg, kind, where)
-    main_rows, val_rows, default_task = _load_rows(cfg, kind, where)
+    bad = BadRows(bad_rows, where)
+    main_rows, val_rows, default_task = _load_rows(cfg, kind, where, bad)
+    source_skips = bad.count
     task_spec = TaskSpec.from_files(
         cfg.get("task_name") or default_task, cfg.get("prompt_file"), cfg.get("system_prompt_file")
     )
@@ -223,20 +291,29 @@ def build_dataset_parts(
             return ProcessedDataset(
                 rows, processor, task_spec, tokenizer, cfg.get("max_input_seq_length"),
                 env_name=cfg.get("env_name"), processor_kwargs=options, name=task_spec.task_name + suffix,
+                bad_rows=bad, preprocess=kind != ARITHMETIC,
             )  # fmt: skip
         except DataError as exc:
             raise DataError(f"{where}: {exc}") from None
 
-    return processed(main_rows, ""), (processed(val_rows, "") if val_rows is not None else None)
+    # Synthetic arithmetic rows are generated by grpo's own code in a fixed format (a short
+    # "a+b=" and its result), so they cannot be bad; they are processed at each draw, which
+    # keeps the demo's 100,000-row set free to build (processing it all took ~19 CPU s).
+    main = processed(main_rows, "")
+    validation = processed(val_rows, "") if val_rows is not None else None
+    main.num_skipped += source_skips  # rows left out while reading count against the training part
+    bad.log_summary(len(main) + (len(validation) if validation is not None else 0) + bad.count)
+    return main, validation
 
 
-def build_dataset(cfg: Mapping[str, Any], tokenizer, part: str = "train", *, where: str = "data") -> ProcessedDataset:
+def build_dataset(cfg: Mapping[str, Any], tokenizer, part: str = "train", *, where: str = "data",
+                  bad_rows: str = DEFAULT_POLICY) -> ProcessedDataset:
     """One `ProcessedDataset` from one dataset entry of the config.
 
     `part="train"` is the rows left after carving a validation set (all rows if none is
     carved); `part="validation"` is the carved (or `val_data_path`) rows.
     """
-    main, validation = build_dataset_parts(cfg, tokenizer, where=where)
+    main, validation = build_dataset_parts(cfg, tokenizer, where=where, bad_rows=bad_rows)
     if part == "train":
         return main
     if part == "validation":
@@ -261,8 +338,11 @@ def _entries(value: Any, where: str) -> list[tuple[str, Mapping[str, Any]]]:
 
 
 def build_data(data_cfg: Mapping[str, Any], tokenizer, *, where: str = "data") -> DataSplits:
-    """All processed datasets of a data section: `train`, `validation`, `default`, and the
-    section-wide `max_input_seq_length` as a default for every dataset."""
+    """All processed datasets of a data section: `train`, `validation`, `default`, the
+    section-wide `max_input_seq_length` as a default for every dataset, and `bad_rows`
+    ("refuse" or "skip") for every dataset."""
+    policy = data_cfg.get("bad_rows") or DEFAULT_POLICY
+    BadRows(policy, where)  # an unknown policy is refused before any file is read
     defaults = dict(data_cfg.get("default") or {})
     for key in defaults:
         if key not in COMMON_KEYS | ARITHMETIC_KEYS | FILE_KEYS:
@@ -274,18 +354,28 @@ def build_data(data_cfg: Mapping[str, Any], tokenizer, *, where: str = "data") -
     if not train_entries and data_cfg.get("validation") is None:
         raise DataError(f"{where}.train: no dataset configured")
     for entry_where, entry in train_entries:
-        main, validation = build_dataset_parts(_with_defaults(defaults, entry, entry_where), tokenizer, where=entry_where)
+        main, validation = build_dataset_parts(_with_defaults(defaults, entry, entry_where), tokenizer, where=entry_where,
+                                               bad_rows=policy)
+        _count_skips(splits, entry_where, main, validation)
         splits.train.append(main)
         if validation is not None:
             splits.validation.append(validation)
     for entry_where, entry in _entries(data_cfg.get("validation"), f"{where}.validation"):
-        main, extra = build_dataset_parts(_with_defaults(defaults, entry, entry_where), tokenizer, where=entry_where)
+        main, extra = build_dataset_parts(_with_defaults(defaults, entry, entry_where), tokenizer, where=entry_where,
+                                          bad_rows=policy)
+        _count_skips(splits, entry_where, main, extra)
         splits.validation.append(main)
         if extra is not None:
             splits.validation.append(extra)
     _dedupe_names(splits.train)
     _dedupe_names(splits.validation)
     return splits
+
+
+def _count_skips(splits: DataSplits, where: str, main: ProcessedDataset, extra: ProcessedDataset | None) -> None:
+    skipped = main.num_skipped + (extra.num_skipped if extra is not None else 0)
+    if skipped:
+        splits.skipped_rows[where] = skipped
 
 
 def _with_defaults(defaults: Mapping[str, Any], entry: Mapping[str, Any], where: str) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from grpo_data.bad_rows import BadRows
 from grpo_data.errors import DataError
 from grpo_data.sources import Field, Rows, load_rows
 from grpo_data.splits import carve_validation
@@ -38,6 +39,7 @@ class ResponseDataset:
       separate validation source.
     - `repeat`: every part repeated this many times (AIME-style evaluation averaging).
     - `answer_transform`: applied to each answer (e.g. GSM8K's text after '####').
+    - `bad_rows`: the policy for rows that cannot be read or mapped (refuse by default).
 
     `train` holds the rows left after carving (all rows if nothing was carved).
     """
@@ -57,16 +59,17 @@ class ResponseDataset:
         repeat: int = 1,
         answer_transform: Callable[[Any], Any] | None = None,
         hint: str = "",
+        bad_rows: BadRows | None = None,
     ) -> None:
         if split_validation_size and val_data_path is not None:
             raise DataError("give either split_validation_size or val_data_path, not both")
         transform = answer_transform or _answer_text
         mapping = {"problem": input_key, "answer": Field(output_key, transform)}
         hint = hint or f" with columns {input_key!r} and {output_key!r}"
-        rows = load_rows(data_path, mapping, subset=subset, split=split, hint=hint)
+        rows = load_rows(data_path, mapping, subset=subset, split=split, hint=hint, bad_rows=bad_rows)
         train, validation = carve_validation(rows, split_validation_size, seed)
         if val_data_path is not None:
-            validation = load_rows(val_data_path, mapping, subset=subset, split=val_split, hint=hint)
+            validation = load_rows(val_data_path, mapping, subset=subset, split=val_split, hint=hint, bad_rows=bad_rows)
         if repeat != 1:
             train = train.repeat(repeat)
             validation = validation.repeat(repeat) if validation is not None else None

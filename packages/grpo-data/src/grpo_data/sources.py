@@ -2,8 +2,9 @@
 
 Every row keeps where it came from (file and 1-based line or row number), so a bad row is
 reported as "train.jsonl, line 7, key 'answer'". Reading is eager and checks every row once:
-a missing file, a line that is not JSON, a row without a configured key or an empty source
-raises a `DataError`; no row is dropped.
+a missing file or an empty source raises a `DataError`; a bad row (a line that is not UTF-8 or
+not JSON, nested too deeply to parse, a row without a configured key) goes to the entry's
+`BadRows` policy, which refuses it (default) or skips and counts it.
 
 Keys may be paths into nested rows: "reward_model.ground_truth", "prompt.0.content" or
 "prompt[0].content".
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from grpo_data.bad_rows import BadRows
 from grpo_data.errors import DataError, where
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -84,30 +86,61 @@ def top_level_column(key: str) -> str:
 # Readers: each yields (row_number, row) with 1-based numbers
 
 
-def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+def _refuse(location: str, reason: str) -> None:
+    raise DataError(f"{location}: {reason}")
+
+
+def _bad_row_handler(bad_rows: BadRows | None):
+    return bad_rows.reject if bad_rows is not None else _refuse
+
+
+def read_jsonl(path: Path, bad_rows: BadRows | None = None) -> Iterator[tuple[int, dict]]:
+    """Rows of a JSON Lines file; each line is decoded as UTF-8 on its own, so one bad line is
+    one bad row (refused or skipped by `bad_rows`), not a traceback for the whole file."""
+    reject = _bad_row_handler(bad_rows)
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                reject(where(str(path), line_no), f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})")
+                continue
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise DataError(f"{where(str(path), line_no)}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+                reject(where(str(path), line_no), f"not valid JSON ({exc.msg} at column {exc.colno})")
+                continue
+            except RecursionError:
+                reject(where(str(path), line_no), "JSON nested too deeply to parse")
+                continue
             if not isinstance(row, dict):
-                raise DataError(f"{where(str(path), line_no)}: expected a JSON object, got {type(row).__name__}")
+                reject(where(str(path), line_no), f"expected a JSON object, got {type(row).__name__}")
+                continue
             yield line_no, row
 
 
-def read_json(path: Path) -> Iterator[tuple[int, dict]]:
-    """A JSON array of objects (rows numbered from 1), or JSON Lines under a .json name."""
-    text = path.read_text(encoding="utf-8")
+def read_json(path: Path, bad_rows: BadRows | None = None) -> Iterator[tuple[int, dict]]:
+    """A JSON array of objects (rows numbered from 1), or JSON Lines under a .json name.
+
+    A whole-file JSON document that is not UTF-8 or nests too deeply has no rows to skip: it is
+    refused as a file."""
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise DataError(f"{path}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at line {line})") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         if exc.msg == "Extra data":  # more than one top-level value: JSON Lines
-            yield from read_jsonl(path)
+            yield from read_jsonl(path, bad_rows)
             return
         raise DataError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
+    except RecursionError:
+        raise DataError(f"{path}: JSON nested too deeply to parse") from None
     if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
         data = next(iter(data.values()))  # {"data": [...]}
     if isinstance(data, dict):
@@ -115,9 +148,11 @@ def read_json(path: Path) -> Iterator[tuple[int, dict]]:
         return
     if not isinstance(data, list):
         raise DataError(f"{path}: expected a JSON array of objects, got {type(data).__name__}")
+    reject = _bad_row_handler(bad_rows)
     for i, row in enumerate(data, start=1):
         if not isinstance(row, dict):
-            raise DataError(f"{where(str(path), i)}: expected a JSON object, got {type(row).__name__}")
+            reject(where(str(path), i), f"expected a JSON object, got {type(row).__name__}")
+            continue
         yield i, row
 
 
@@ -194,11 +229,11 @@ def local_files(data_path: str | Path | Sequence[str | Path], split: str | None 
     return files
 
 
-def _read_file(path: Path, columns: Sequence[str]) -> Iterator[tuple[int, dict]]:
+def _read_file(path: Path, columns: Sequence[str], bad_rows: BadRows | None = None) -> Iterator[tuple[int, dict]]:
     if path.suffix == ".jsonl":
-        return read_jsonl(path)
+        return read_jsonl(path, bad_rows)
     if path.suffix == ".json":
-        return read_json(path)
+        return read_json(path, bad_rows)
     return read_parquet(path, columns)
 
 
@@ -224,25 +259,36 @@ def map_rows(
     numbered_rows: Iterator[tuple[int, dict]],
     source: str,
     mapping: Mapping[str, str | Field],
+    bad_rows: BadRows | None = None,
 ) -> tuple[list[dict], list[int]]:
-    """Build canonical rows `{target: value}`; a missing or null value is an error naming the row."""
+    """Build canonical rows `{target: value}`; a missing or null value makes the row bad
+    (refused naming the row, or skipped by `bad_rows`)."""
+    reject = _bad_row_handler(bad_rows)
     fields = {target: _as_field(spec) for target, spec in mapping.items()}
     rows, numbers = [], []
     for number, raw in numbered_rows:
-        out = {}
-        for target, field in fields.items():
-            value = get_field(raw, field.key)
-            if value is _MISSING or value is None:
-                raise DataError(f"{where(source, number, field.key)}: missing (the row has keys {sorted(raw)})")
-            if field.transform is not None:
-                try:
-                    value = field.transform(value)
-                except (ValueError, TypeError) as exc:
-                    raise DataError(f"{where(source, number, field.key)}: {exc}") from None
-            out[target] = value
-        rows.append(out)
-        numbers.append(number)
+        out = _map_row(raw, fields, source, number, reject)
+        if out is not None:
+            rows.append(out)
+            numbers.append(number)
     return rows, numbers
+
+
+def _map_row(raw: dict, fields: Mapping[str, Field], source: str, number: int, reject) -> dict | None:
+    out = {}
+    for target, field in fields.items():
+        value = get_field(raw, field.key)
+        if value is _MISSING or value is None:
+            reject(where(source, number, field.key), f"missing (the row has keys {sorted(raw)})")
+            return None
+        if field.transform is not None:
+            try:
+                value = field.transform(value)
+            except (ValueError, TypeError) as exc:
+                reject(where(source, number, field.key), str(exc))
+                return None
+        out[target] = value
+    return out
 
 
 def load_rows(
@@ -251,23 +297,27 @@ def load_rows(
     subset: str | None = None,
     split: str | None = None,
     hint: str = "",
+    bad_rows: BadRows | None = None,
 ) -> Rows:
-    """Read and map every row of a local file/folder or a hub dataset; refuse an empty result."""
+    """Read and map every row of a local file/folder or a hub dataset; refuse an empty result.
+    Bad rows are refused, or skipped and counted when `bad_rows` says so."""
     columns = sorted({top_level_column(_as_field(spec).key) for spec in mapping.values()})
     if isinstance(data_path, (list, tuple)) or is_local(data_path):
         files = local_files(data_path, split)
         rows, numbers, sources = [], [], []
         for f in files:
-            r, n = map_rows(_read_file(f, columns), str(f), mapping)
+            skipped = bad_rows.count if bad_rows is not None else 0
+            r, n = map_rows(_read_file(f, columns, bad_rows), str(f), mapping, bad_rows)
             if not r:
-                raise DataError(f"{f}: the file has no rows")
+                why = f" ({bad_rows.count - skipped} bad row(s) skipped)" if bad_rows is not None and bad_rows.count > skipped else ""
+                raise DataError(f"{f}: the file has no rows{why}")
             rows += r
             numbers += n
             sources.append(str(f))
         source = sources[0] if len(sources) == 1 else f"{sources[0]} (+{len(sources) - 1} more files)"
         return Rows(rows, source, numbers)
     name = str(data_path)
-    rows, numbers = map_rows(read_hub(name, subset, split or "train", columns, hint), name, mapping)
+    rows, numbers = map_rows(read_hub(name, subset, split or "train", columns, hint), name, mapping, bad_rows)
     if not rows:
         raise DataError(f"{name} (split {split!r}): the dataset has no rows")
     return Rows(rows, name, numbers)
