@@ -1,7 +1,9 @@
 """The `grpo` command line.
 
-`grpo --help` and `grpo config ...` import no torch: the training stack is imported only
-once `grpo train` / `grpo eval` has a valid config. Config errors print one line and exit 2.
+`grpo --help` and `grpo config show/list` import no torch; `grpo config validate`, `train` and
+`eval` import it for one check only (the optimizer and scheduler are built on a dummy parameter,
+grpo_train.config.checks); Ray, vLLM and transformers are imported only once `grpo train` /
+`grpo eval` has a valid config. Config errors print one line and exit 2.
 """
 
 from __future__ import annotations
@@ -66,10 +68,18 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(name: str, overrides: list[str]):
+def _load(name: str, overrides: list[str], check: bool = True):
+    """The validated config and its resolved dict; with `check`, also the checks that build the
+    optimizer and look up the environments (grpo_train.config.checks)."""
     from grpo_train.config import load_config
+    from grpo_train.config.loader import find_config
 
-    return load_config(name, overrides, [CONFIG_DIR])
+    config, raw = load_config(name, overrides, [CONFIG_DIR])
+    if check:
+        from grpo_train.config.checks import check_config
+
+        check_config(config, str(find_config(name, [CONFIG_DIR])))
+    return config, raw
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -77,7 +87,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
         for path in sorted(CONFIG_DIR.glob("*.yaml")):
             print(path.name)
         return 0
-    config, raw = _load(args.name, args.overrides)
+    config, raw = _load(args.name, args.overrides, check=args.config_command == "validate")
     if args.config_command == "show":
         import yaml
 

@@ -118,7 +118,7 @@ def data_section(cfg: GRPOMasterConfig) -> dict[str, Any]:
         return [e.model_dump(exclude_none=True) for e in value]
 
     return {"max_input_seq_length": cfg.data.max_input_seq_length, "default": cfg.data.default.model_dump(exclude_none=True),
-            "train": entries(cfg.data.train), "validation": entries(cfg.data.validation)}
+            "train": entries(cfg.data.train), "validation": entries(cfg.data.validation), "bad_rows": cfg.data.bad_rows}
 
 
 def build_datasets(cfg: GRPOMasterConfig, tokenizer):
@@ -134,6 +134,11 @@ def build_datasets(cfg: GRPOMasterConfig, tokenizer):
         raise StartupError(str(exc)) from None
     if not splits.train:
         raise StartupError("data.train: no training dataset configured")
+    for ds in (*splits.train, *splits.validation):  # rows may name their own environment
+        unknown = sorted(ds.env_names() - set(cfg.env))
+        if unknown:
+            raise StartupError(f"data: dataset {ds.name!r} ({ds.source}) routes prompts to environment(s) {unknown}, "
+                               f"which the env section does not configure (configured: {sorted(cfg.env)})")
     val = splits.validation
     return splits.train, (None if not val else val[0] if len(val) == 1 else ConcatDataset(val))
 

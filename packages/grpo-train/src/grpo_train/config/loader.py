@@ -9,6 +9,10 @@ by `grpo_train.config.schema`. Rules:
   are parsed as YAML (`[1, 2]`, `null`, `1e-4`, `true`).
 - `${a.b}` is replaced by that key's value (its type kept when it is the whole string);
   `${mul:x,y}`, `${add:...}`, `${sub:x,y}`, `${div:x,y}`, `${max:...}`, `${min:...}` compute.
+- Bounds, so that a hostile or broken file fails in one line and fast instead of with a
+  traceback or by exhausting memory: a file is at most `MAX_CONFIG_BYTES` of UTF-8 text,
+  nests at most `MAX_CONFIG_DEPTH` levels, and expands (through YAML aliases or `${...}`
+  references: the "billion laughs") to at most `MAX_CONFIG_VALUES` values.
 """
 
 from __future__ import annotations
@@ -25,10 +29,47 @@ from grpo_train.config.errors import ConfigError
 
 OVERRIDE_MARK = "_override_"
 _MAX_INTERPOLATION_DEPTH = 32
+MAX_CONFIG_BYTES = 1 << 20
+"""Largest config file read (the built-in ones are a few kB)."""
+MAX_CONFIG_DEPTH = 32
+"""Deepest nesting of mappings and lists (the schema is five levels deep)."""
+MAX_CONFIG_VALUES = 100_000
+"""Most values a config may expand to, aliases and `${...}` references counted at every use."""
 
 
 class _Loader(yaml.SafeLoader):
-    """SafeLoader with YAML 1.2 floats, so `1e-4` is a number (YAML 1.1 makes it a string)."""
+    """SafeLoader with YAML 1.2 floats, so `1e-4` is a number (YAML 1.1 makes it a string), that
+    refuses nesting deeper than MAX_CONFIG_DEPTH and alias expansion past MAX_CONFIG_VALUES
+    while it composes (before any Python object is built)."""
+
+    def __init__(self, stream) -> None:
+        super().__init__(stream)
+        self._open: list[int] = []  # expanded-value count at the start of each open node
+        self._expanded = 0
+        self._sizes: dict[int, int] = {}  # id(node) -> values it expands to (what an alias adds)
+
+    def compose_node(self, parent, index):
+        mark = self.peek_event().start_mark
+        if self.check_event(yaml.AliasEvent):
+            node = super().compose_node(parent, index)
+            self._count(self._sizes.get(id(node), 1), mark)
+            return node
+        if len(self._open) >= MAX_CONFIG_DEPTH:
+            raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_CONFIG_DEPTH} levels", mark)
+        self._open.append(self._expanded)
+        try:
+            node = super().compose_node(parent, index)
+        finally:
+            start = self._open.pop()
+        self._count(1, mark)
+        self._sizes[id(node)] = self._expanded - start
+        return node
+
+    def _count(self, values: int, mark) -> None:
+        self._expanded += values
+        if self._expanded > MAX_CONFIG_VALUES:
+            raise yaml.composer.ComposerError(
+                None, None, f"expands to more than {MAX_CONFIG_VALUES} values (aliases used over and over?)", mark)
 
 
 _Loader.add_implicit_resolver(
@@ -76,9 +117,18 @@ def find_config(name: str | Path, search_dirs: list[Path]) -> Path:
 
 def load_yaml_file(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text()
+        size = path.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{size} bytes; a config file is at most {MAX_CONFIG_BYTES} bytes of YAML", file=str(path))
+        raw = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read: {exc.strerror}", file=str(path)) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at line {line}); save the file as UTF-8",
+                          file=str(path)) from None
     try:
         data = parse_yaml(text)
     except yaml.YAMLError as exc:
@@ -248,18 +298,27 @@ def _resolve_string(text: str, config: dict[str, Any], at: str) -> Any:
 
 
 def resolve_interpolations(config: dict[str, Any]) -> dict[str, Any]:
-    """Replace every `${...}` in string values, resolving references recursively."""
+    """Replace every `${...}` in string values, resolving references recursively; the result
+    may hold at most MAX_CONFIG_VALUES values nested at most MAX_CONFIG_DEPTH deep (references
+    to references multiply like aliases do)."""
+    produced = 0
 
-    def visit(node: Any, path: str) -> Any:
+    def visit(node: Any, path: str, depth: int) -> Any:
+        nonlocal produced
+        produced += 1
+        if produced > MAX_CONFIG_VALUES:
+            raise ConfigError(f"expands to more than {MAX_CONFIG_VALUES} values through ${{...}} references", key=path)
+        if isinstance(node, (dict, list)) and depth >= MAX_CONFIG_DEPTH:
+            raise ConfigError(f"nested deeper than {MAX_CONFIG_DEPTH} levels (a ${{...}} reference to itself?)", key=path)
         if isinstance(node, dict):
-            return {k: visit(v, f"{path}.{k}" if path else str(k)) for k, v in node.items()}
+            return {k: visit(v, f"{path}.{k}" if path else str(k), depth + 1) for k, v in node.items()}
         if isinstance(node, list):
-            return [visit(v, f"{path}.{i}") for i, v in enumerate(node)]
+            return [visit(v, f"{path}.{i}", depth + 1) for i, v in enumerate(node)]
         if isinstance(node, str) and "${" in node:
-            return visit(_resolve_string(node, config, path), path)
+            return visit(_resolve_string(node, config, path), path, depth)
         return node
 
-    return visit(config, "")
+    return visit(config, "", 0)
 
 
 def load_config_dict(name: str | Path, overrides: list[str] = (), search_dirs: list[Path] = (),

@@ -404,6 +404,10 @@ class DataConfig(Section):
     num_prompts_per_dataloader: int | None = None
     custom_dataloader: str | None = None
     """`module:function` sampling function over several dataloaders."""
+    bad_rows: Literal["refuse", "skip"] = "refuse"
+    """Rows of data files that cannot become prompts (wrong types, invalid Unicode or UTF-8, deep
+    nesting, a failing processor; checked once when the datasets are built): refuse stops with
+    the file and row; skip leaves them out and logs the count (grpo_data.bad_rows)."""
 
 
 # ----------------------------------------------------------------------- env, logger, ...

@@ -20,30 +20,40 @@ def import_object(path: str, what: str) -> Any:
         raise ValueError(f"{what} {path!r} cannot be imported: {exc}") from None
 
 
-def build_optimizer(params, cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    cls = import_object(cfg.name, "policy.optimizer.name")
+def import_class(path: str, base: type, key: str) -> type:
+    """The class at import path `path`, which must subclass `base` (a config names code to run:
+    only optimizer and scheduler classes are accepted here, not any callable)."""
+    obj = import_object(path, key)
+    if not (isinstance(obj, type) and issubclass(obj, base)):
+        raise ValueError(f"{key}: {path!r} is not a subclass of {base.__module__}.{base.__qualname__}")
+    return obj
+
+
+def build_optimizer(params, cfg: OptimizerConfig, key: str = "policy.optimizer") -> torch.optim.Optimizer:
+    cls = import_class(cfg.name, torch.optim.Optimizer, f"{key}.name")
     kwargs = dict(cfg.kwargs)
-    if "betas" in kwargs:
+    if isinstance(kwargs.get("betas"), list):
         kwargs["betas"] = tuple(kwargs["betas"])
     return cls(params, **kwargs)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, entries: list[SchedulerEntry]) -> torch.optim.lr_scheduler.LRScheduler:
+def build_scheduler(optimizer: torch.optim.Optimizer, entries: list[SchedulerEntry],
+                    key: str = "policy.scheduler") -> torch.optim.lr_scheduler.LRScheduler:
     """NeMo RL's format: scheduler entries chained by SequentialLR, `milestones` on the last entry."""
     milestones = None
     schedulers = []
-    for entry in entries:
+    for i, entry in enumerate(entries):
         if entry.milestones is not None:
             milestones = entry.milestones
         if entry.name is not None:
-            cls = import_object(entry.name, "policy.scheduler.name")
+            cls = import_class(entry.name, torch.optim.lr_scheduler.LRScheduler, f"{key}[{i}].name")
             schedulers.append(cls(optimizer, **entry.kwargs))
     if not schedulers:
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     if len(schedulers) == 1:
         return schedulers[0]
     if milestones is None or len(milestones) != len(schedulers) - 1:
-        raise ValueError(f"policy.scheduler: {len(schedulers)} schedulers need {len(schedulers) - 1} milestones, got {milestones}")
+        raise ValueError(f"{key}: {len(schedulers)} schedulers need {len(schedulers) - 1} milestones, got {milestones}")
     return torch.optim.lr_scheduler.SequentialLR(optimizer, schedulers, milestones=milestones)
 
 

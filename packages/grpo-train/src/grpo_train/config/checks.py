@@ -1,0 +1,218 @@
+"""Checks of a validated config that the schema alone cannot make, run before any actor starts.
+
+`check_config` is what `grpo config validate`, `grpo train` and `grpo eval` run after the
+schema: lengths that must fit together, environments that exist and accept their settings,
+datasets that name configured environments, and optimizers and LR schedulers that build. Each
+problem is a `ConfigError` naming the key path (one line, exit 2), instead of a Ray traceback a
+minute into the run. The optimizer check builds the optimizer and scheduler on a one-element
+dummy parameter and takes a step, so this module imports torch (only inside that check);
+`grpo --help` and `grpo config show` do not import it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from typing import Any
+
+from pydantic import ConfigDict, ValidationError, create_model
+
+from grpo_train.config import _is_union_label
+from grpo_train.config.errors import ConfigError
+from grpo_train.config.schema import DatasetConfig, GRPOMasterConfig, OptimizerConfig, SchedulerEntry
+
+SCORE_RESERVE = 1
+"""Positions the engines keep free for scoring (grpo_train.generation.base.SCORE_RESERVE)."""
+
+
+def check_config(cfg: GRPOMasterConfig, source: str = "<config>") -> None:
+    """Every check below; the first problem raises a ConfigError naming `source` and the key."""
+    try:
+        check_lengths(cfg)
+        check_envs(cfg)
+        check_dataset_envs(cfg)
+        check_optimizers(cfg)
+    except ConfigError as exc:
+        raise ConfigError(exc.detail, file=source, key=exc.key) from None
+
+
+# ------------------------------------------------------------------------------ lengths
+def _dataset_entries(cfg: GRPOMasterConfig) -> list[tuple[str, DatasetConfig]]:
+    out = []
+    for part in ("train", "validation"):
+        value = getattr(cfg.data, part)
+        if isinstance(value, DatasetConfig):
+            out.append((f"data.{part}", value))
+        elif value is not None:
+            out += [(f"data.{part}[{i}]", entry) for i, entry in enumerate(value)]
+    return out
+
+
+def check_lengths(cfg: GRPOMasterConfig) -> None:
+    """Prompt + response must fit the generation context, and the context the trainer's limit.
+
+    The engines left-truncate a prompt to context - max_new_tokens - SCORE_RESERVE tokens
+    (generation.base.fit_prompts) and refuse to run when nothing is left; the trainer's
+    micro-batches are sized by policy.max_total_sequence_length.
+    """
+    policy, gen = cfg.policy, cfg.policy.generation
+    total = policy.max_total_sequence_length
+    if gen.backend == "vllm":
+        context, context_key = gen.vllm_cfg.max_model_len, "policy.generation.vllm_cfg.max_model_len"
+        if context > total:
+            raise ConfigError(f"{context} exceeds policy.max_total_sequence_length ({total}): the engine would "
+                              f"return sequences the trainer does not take", key=context_key)
+    else:
+        context, context_key = total, "policy.max_total_sequence_length"
+    if gen.max_new_tokens + SCORE_RESERVE >= context:
+        raise ConfigError(f"{gen.max_new_tokens} leaves no room for a prompt in {context_key} ({context}; "
+                          f"{SCORE_RESERVE} position is kept for scoring)", key="policy.generation.max_new_tokens")
+    room = context - gen.max_new_tokens - SCORE_RESERVE
+    default = cfg.data.default.max_input_seq_length or cfg.data.max_input_seq_length
+    for where, entry in _dataset_entries(cfg):
+        limit, key = (entry.max_input_seq_length, f"{where}.max_input_seq_length") if entry.max_input_seq_length else (
+            default, "data.default.max_input_seq_length" if cfg.data.default.max_input_seq_length else "data.max_input_seq_length")
+        if limit > room:
+            raise ConfigError(
+                f"{limit} + policy.generation.max_new_tokens ({gen.max_new_tokens}) + {SCORE_RESERVE} exceeds "
+                f"{context_key} ({context}): accepted prompts would be cut again at generation; use at most {room}",
+                key=key)
+
+
+# --------------------------------------------------------------------------- environments
+def check_envs(cfg: GRPOMasterConfig) -> None:
+    """Each `env.<name>` is a registered environment and its settings fit its constructor."""
+    from grpo_envs import registry
+
+    for name, env_cfg in cfg.env.items():
+        try:
+            cls = registry.get(name)
+        except KeyError:
+            raise ConfigError(f"unknown environment; registered: {', '.join(registry.names())}", key=f"env.{name}") from None
+        settings = dict(env_cfg.model_extra or {})
+        try:
+            _constructor_model(cls).model_validate(settings)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            loc = ".".join(str(p) for p in first["loc"] if not _is_union_label(p))
+            msg = "unknown key" if first["type"] == "extra_forbidden" else first["msg"]
+            accepted = ", ".join(sorted(_constructor_model(cls).model_fields))
+            raise ConfigError(f"{msg} (environment {name!r} takes: {accepted or 'no settings'})",
+                              key=f"env.{name}.{loc}" if loc else f"env.{name}") from None
+
+
+def _constructor_model(cls: type) -> type:
+    """A pydantic model of `cls.__init__`'s keyword parameters (types from its annotations)."""
+    fields: dict[str, Any] = {}
+    extra = "forbid"
+    params = [] if cls.__init__ is object.__init__ else list(inspect.signature(cls.__init__, eval_str=True).parameters.values())[1:]
+    for param in params:
+        if param.kind is param.VAR_KEYWORD:
+            extra = "allow"
+        elif param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY):
+            annotation = Any if param.annotation is param.empty else param.annotation
+            fields[param.name] = (annotation, ... if param.default is param.empty else param.default)
+    # strict: the environment receives these very values, so "2" is not a number here
+    config = ConfigDict(extra=extra, arbitrary_types_allowed=True, strict=True)
+    return create_model(f"{cls.__name__}Settings", __config__=config, **fields)
+
+
+def check_dataset_envs(cfg: GRPOMasterConfig) -> None:
+    """Datasets route prompts to environments by name; each named one must be configured.
+    (Rows that name their own environment are checked when the datasets are built.)"""
+    entries = [("data.default", cfg.data.default), *_dataset_entries(cfg)]
+    for where, entry in entries:
+        if entry.env_name is not None and entry.env_name not in cfg.env:
+            raise ConfigError(f"{entry.env_name!r} is not configured in the env section (configured: "
+                              f"{', '.join(sorted(cfg.env)) or 'none'})", key=f"{where}.env_name")
+
+
+# ------------------------------------------------------------------------ optimizers
+def check_optimizers(cfg: GRPOMasterConfig) -> None:
+    """Build each optimizer and its scheduler on a dummy parameter and take one step."""
+    sections = [("policy", cfg.policy.optimizer, cfg.policy.scheduler)]
+    if cfg.value is not None:
+        sections.append(("value", cfg.value.optimizer, cfg.value.scheduler))
+    for prefix, optimizer_cfg, scheduler_cfg in sections:
+        optimizer = _check_optimizer(optimizer_cfg, f"{prefix}.optimizer")
+        _check_scheduler(optimizer, scheduler_cfg, f"{prefix}.scheduler")
+
+
+def _dummy_optimizer(optimizer_cfg: OptimizerConfig, key: str):
+    import torch
+
+    from grpo_train.policy.optim import build_optimizer
+
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = build_optimizer([param], optimizer_cfg, key=key)
+    param.grad = torch.zeros(1)
+    optimizer.step()
+    return optimizer
+
+
+def _check_optimizer(optimizer_cfg: OptimizerConfig, key: str):
+    from grpo_train.policy.optim import import_class
+
+    import torch
+
+    try:
+        import_class(optimizer_cfg.name, torch.optim.Optimizer, f"{key}.name")
+    except ValueError as exc:
+        raise ConfigError(_without_key(str(exc), f"{key}.name"), key=f"{key}.name") from None
+    try:
+        return _dummy_optimizer(optimizer_cfg, key)
+    except Exception as exc:  # noqa: BLE001 - any failure to build is the config's
+        culprit = _culprit(optimizer_cfg.kwargs, lambda kw: _dummy_optimizer(optimizer_cfg.model_copy(update={"kwargs": kw}), key))
+        raise ConfigError(f"{_value(optimizer_cfg.kwargs, culprit)}{type(exc).__name__}: {exc}",
+                          key=f"{key}.kwargs.{culprit}" if culprit else f"{key}.kwargs") from None
+
+
+def _check_scheduler(optimizer, entries: list[SchedulerEntry], key: str) -> None:
+    import torch
+
+    from grpo_train.policy.optim import build_scheduler, import_class
+
+    for i, entry in enumerate(entries):
+        if entry.name is None:
+            continue
+        try:
+            import_class(entry.name, torch.optim.lr_scheduler.LRScheduler, f"{key}[{i}].name")
+        except ValueError as exc:
+            raise ConfigError(_without_key(str(exc), f"{key}[{i}].name"), key=f"{key}[{i}].name") from None
+        try:
+            _step(optimizer, build_scheduler(optimizer, [entry], key=key))
+        except Exception as exc:  # noqa: BLE001
+            culprit = _culprit(entry.kwargs, lambda kw: _step(optimizer, build_scheduler(
+                optimizer, [entry.model_copy(update={"kwargs": kw})], key=key)))
+            raise ConfigError(f"{_value(entry.kwargs, culprit)}{type(exc).__name__}: {exc}",
+                              key=f"{key}[{i}].kwargs.{culprit}" if culprit else f"{key}[{i}].kwargs") from None
+    try:
+        _step(optimizer, build_scheduler(optimizer, entries, key=key))
+    except Exception as exc:  # noqa: BLE001 - e.g. milestones that do not match the entries
+        raise ConfigError(f"{type(exc).__name__}: {exc}", key=key) from None
+
+
+def _step(optimizer, scheduler) -> None:
+    with warnings.catch_warnings():  # the dummy's step order is not a user's concern
+        warnings.simplefilter("ignore")
+        optimizer.step()
+        scheduler.step()
+
+
+def _culprit(kwargs: dict[str, Any], build) -> str | None:
+    """The keyword argument without which the build succeeds (None if no single one is to blame)."""
+    for name in kwargs:
+        try:
+            build({k: v for k, v in kwargs.items() if k != name})
+        except Exception:  # noqa: BLE001
+            continue
+        return name
+    return None
+
+
+def _value(kwargs: dict[str, Any], culprit: str | None) -> str:
+    return f"{kwargs[culprit]!r} is refused: " if culprit else ""
+
+
+def _without_key(message: str, key: str) -> str:
+    return message.removeprefix(f"{key}: ").removeprefix(f"{key} ")
