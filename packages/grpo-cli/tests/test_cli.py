@@ -32,7 +32,9 @@ def test_show_prints_resolved_yaml_with_overrides(tmp_path):
     result = grpo("config", "show", "grpo_math_1B.yaml", "policy.max_total_sequence_length=1024", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     shown = yaml.safe_load(result.stdout)
-    assert shown["policy"]["generation"]["max_new_tokens"] == 1024
+    # prompts get half the context, the response what is left after one scoring position
+    assert shown["data"]["max_input_seq_length"] == 512
+    assert shown["policy"]["generation"]["max_new_tokens"] == 1024 - 512 - 1
     assert shown["policy"]["dynamic_batching"]["train_mb_tokens"] == 4096
 
 
@@ -71,14 +73,17 @@ def test_circular_defaults_exit_2(tmp_path):
     assert result.returncode == 2 and "circular defaults" in result.stderr
 
 
-@pytest.mark.parametrize("args", [["--help"], ["config", "validate", "grpo_math_1B.yaml"], ["config", "show"]])
-def test_help_and_validation_import_no_torch(args):
+# `config validate` builds the optimizer and scheduler on a dummy parameter (grpo_train.config.checks),
+# so it imports torch; nothing else heavy.
+@pytest.mark.parametrize("args, allowed", [(["--help"], ""), (["config", "validate", "grpo_math_1B.yaml"], "torch"),
+                                           (["config", "show"], "")])
+def test_help_and_validation_import_nothing_heavy(args, allowed):
     code = (
         "import sys\nfrom grpo_cli.main import main\n"
         f"try:\n    main({args!r})\nexcept SystemExit:\n    pass\n"
         "heavy = [m for m in ('torch', 'ray', 'vllm', 'transformers') if m in sys.modules]\n"
         "print('HEAVY=' + ','.join(heavy))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert "HEAVY=\n" in result.stdout, result.stdout
+    assert f"HEAVY={allowed}\n" in result.stdout, result.stdout

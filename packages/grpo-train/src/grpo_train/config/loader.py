@@ -29,8 +29,8 @@ from grpo_train.config.errors import ConfigError
 
 OVERRIDE_MARK = "_override_"
 _MAX_INTERPOLATION_DEPTH = 32
-MAX_CONFIG_BYTES = 1 << 20
-"""Largest config file read (the built-in ones are a few kB)."""
+MAX_CONFIG_BYTES = 256 << 10
+"""Largest config file read: the built-in ones are a few kB, and PyYAML parses ~100 kB per CPU second."""
 MAX_CONFIG_DEPTH = 32
 """Deepest nesting of mappings and lists (the schema is five levels deep)."""
 MAX_CONFIG_VALUES = 100_000
@@ -47,11 +47,13 @@ class _Loader(yaml.SafeLoader):
         self._open: list[int] = []  # expanded-value count at the start of each open node
         self._expanded = 0
         self._sizes: dict[int, int] = {}  # id(node) -> values it expands to (what an alias adds)
+        self._aliases = 0
 
     def compose_node(self, parent, index):
         mark = self.peek_event().start_mark
         if self.check_event(yaml.AliasEvent):
             node = super().compose_node(parent, index)
+            self._aliases += 1
             self._count(self._sizes.get(id(node), 1), mark)
             return node
         if len(self._open) >= MAX_CONFIG_DEPTH:
@@ -68,8 +70,8 @@ class _Loader(yaml.SafeLoader):
     def _count(self, values: int, mark) -> None:
         self._expanded += values
         if self._expanded > MAX_CONFIG_VALUES:
-            raise yaml.composer.ComposerError(
-                None, None, f"expands to more than {MAX_CONFIG_VALUES} values (aliases used over and over?)", mark)
+            how = f" ({self._aliases} aliases expanded)" if self._aliases else ""
+            raise yaml.composer.ComposerError(None, None, f"expands to more than {MAX_CONFIG_VALUES} values{how}", mark)
 
 
 _Loader.add_implicit_resolver(
