@@ -306,10 +306,11 @@ def load_rows(
         files = local_files(data_path, split)
         rows, numbers, sources = [], [], []
         for f in files:
-            skipped = bad_rows.count if bad_rows is not None else 0
+            skipped_before = bad_rows.count if bad_rows is not None else 0
             r, n = map_rows(_read_file(f, columns, bad_rows), str(f), mapping, bad_rows)
             if not r:
-                why = f" ({bad_rows.count - skipped} bad row(s) skipped)" if bad_rows is not None and bad_rows.count > skipped else ""
+                skipped = (bad_rows.count if bad_rows is not None else 0) - skipped_before
+                why = f" ({skipped} bad row(s) skipped)" if skipped else ""
                 raise DataError(f"{f}: the file has no rows{why}")
             rows += r
             numbers += n

@@ -20,9 +20,8 @@ from pydantic import ConfigDict, ValidationError, create_model
 from grpo_train.config import _is_union_label
 from grpo_train.config.errors import ConfigError
 from grpo_train.config.schema import DatasetConfig, GRPOMasterConfig, OptimizerConfig, SchedulerEntry
+from grpo_train.generation.base import SCORE_RESERVE  # positions the engines keep free for scoring
 
-SCORE_RESERVE = 1
-"""Positions the engines keep free for scoring (grpo_train.generation.base.SCORE_RESERVE)."""
 
 
 def check_config(cfg: GRPOMasterConfig, source: str = "<config>") -> None:
@@ -68,10 +67,13 @@ def check_lengths(cfg: GRPOMasterConfig) -> None:
         raise ConfigError(f"{gen.max_new_tokens} leaves no room for a prompt in {context_key} ({context}; "
                           f"{SCORE_RESERVE} position is kept for scoring)", key="policy.generation.max_new_tokens")
     room = context - gen.max_new_tokens - SCORE_RESERVE
-    default = cfg.data.default.max_input_seq_length or cfg.data.max_input_seq_length
+    if cfg.data.default.max_input_seq_length is not None:
+        default = (cfg.data.default.max_input_seq_length, "data.default.max_input_seq_length")
+    else:
+        default = (cfg.data.max_input_seq_length, "data.max_input_seq_length")
     for where, entry in _dataset_entries(cfg):
-        limit, key = (entry.max_input_seq_length, f"{where}.max_input_seq_length") if entry.max_input_seq_length else (
-            default, "data.default.max_input_seq_length" if cfg.data.default.max_input_seq_length else "data.max_input_seq_length")
+        own = entry.max_input_seq_length
+        limit, key = (own, f"{where}.max_input_seq_length") if own is not None else default
         if limit > room:
             raise ConfigError(
                 f"{limit} + policy.generation.max_new_tokens ({gen.max_new_tokens}) + {SCORE_RESERVE} exceeds "
@@ -105,7 +107,9 @@ def _constructor_model(cls: type) -> type:
     """A pydantic model of `cls.__init__`'s keyword parameters (types from its annotations)."""
     fields: dict[str, Any] = {}
     extra = "forbid"
-    params = [] if cls.__init__ is object.__init__ else list(inspect.signature(cls.__init__, eval_str=True).parameters.values())[1:]
+    params = []  # a class without its own __init__ takes no settings
+    if cls.__init__ is not object.__init__:
+        params = list(inspect.signature(cls.__init__, eval_str=True).parameters.values())[1:]
     for param in params:
         if param.kind is param.VAR_KEYWORD:
             extra = "allow"
@@ -162,7 +166,8 @@ def _check_optimizer(optimizer_cfg: OptimizerConfig, key: str):
     try:
         return _dummy_optimizer(optimizer_cfg, key)
     except Exception as exc:  # noqa: BLE001 - any failure to build is the config's
-        culprit = _culprit(optimizer_cfg.kwargs, lambda kw: _dummy_optimizer(optimizer_cfg.model_copy(update={"kwargs": kw}), key))
+        culprit = _culprit(optimizer_cfg.kwargs,
+                           lambda kw: _dummy_optimizer(optimizer_cfg.model_copy(update={"kwargs": kw}), key))
         raise ConfigError(f"{_value(optimizer_cfg.kwargs, culprit)}{type(exc).__name__}: {exc}",
                           key=f"{key}.kwargs.{culprit}" if culprit else f"{key}.kwargs") from None
 
