@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "DataError": "grpo_data.errors",
+    "BadRows": "grpo_data.bad_rows",
     "DatumSpec": "grpo_data.records",
     "TaskSpec": "grpo_data.records",
     "ArithmeticDataset": "grpo_data.arithmetic",
