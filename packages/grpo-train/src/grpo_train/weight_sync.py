@@ -68,17 +68,25 @@ def check_refit(
 
 
 def iter_refit_tensors(model: torch.nn.Module, gather: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full detached tensor) of every weight a generator loads, in state-dict order,
-    on the model's device and without copies (the transports decide where tensors go).
+    """(checkpoint name, full detached tensor) of every weight a generator loads, in state-dict
+    order, on the model's device and without copies (the transports decide where tensors go).
 
+    Names and layouts are the checkpoint's, as the engine's loader expects them: the model's
+    family rule (`grpo_train.model_families`) reverts transformers' load-time conversions (e.g.
+    Qwen3-MoE's fused experts become per-expert tensors, views of the fused ones).
     Tied weights are sent once, under the first name (`model.embed_tokens.weight`, not
     `lm_head.weight`): vLLM's loaders skip `lm_head.weight` for tied models and the worker
     extension re-processes the tied lm_head itself. Non-persistent buffers (rotary tables) are
     not part of the state dict and are never sent. DTensor (FSDP2) shards are gathered into
     full tensors, a collective call: every rank of the model must iterate together.
-    `gather=False` yields DTensors as they are (their shape and dtype are the full weight's),
-    which is enough for metadata and needs no other rank.
+    `gather=False` yields meta tensors with the full weights' shapes and dtypes instead, which is
+    enough for metadata and needs no other rank.
     """
+    import torch
+
+    from grpo_train.model_families import family_of
+
+    family = family_of(model.config) if hasattr(model, "config") else None
     seen: set[int] = set()
     # keep_vars=True yields the Parameter objects themselves, so tied weights are one object.
     for name, tensor in model.state_dict(keep_vars=True).items():
@@ -86,9 +94,14 @@ def iter_refit_tensors(model: torch.nn.Module, gather: bool = True) -> Iterator[
             continue
         seen.add(id(tensor))
         tensor = tensor.detach()
-        if gather and hasattr(tensor, "full_tensor"):  # DTensor (FSDP2 shard): gather the full weight
+        if not gather:
+            tensor = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
+        elif hasattr(tensor, "full_tensor"):  # DTensor (FSDP2 shard): gather the full weight
             tensor = tensor.full_tensor()
-        yield name, tensor
+        if family is None:
+            yield name, tensor
+        else:
+            yield from family.checkpoint_tensors(name, tensor)
 
 
 def state_dict_for_refit(

@@ -143,7 +143,7 @@ class AsyncVllmGenerator:
         from grpo_train.generation.vllm_worker_ext import serialize_weights
 
         start = time.perf_counter()
-        check_weight_names(named_tensors, self._weight_names)
+        check_weight_names(named_tensors, self._weight_names, self.model_path)
         await self._load("grpo_load_weights", (serialize_weights(named_tensors),), version, in_flight, reset_running_kv)
         return time.perf_counter() - start
 
@@ -157,7 +157,7 @@ class AsyncVllmGenerator:
                                 metas: list, bucket_bytes: int) -> None:
         """Join the trainer's weight group (the trainer joins it at the same time). The tensor
         metadata crosses into the engine process as plain rows (vLLM's RPC is msgpack)."""
-        check_weight_names([m.name for m in metas], self._weight_names)
+        check_weight_names([m.name for m in metas], self._weight_names, self.model_path)
         rows = [m.to_row() for m in metas]
         await self.engine.collective_rpc("grpo_open_weight_group",
                                          args=(host, port, rank_offset, world_size, backend, rows, bucket_bytes))

@@ -151,19 +151,23 @@ def fit_prompts(
     return fitted, cut
 
 
-def check_weight_names(given, expected: set[str] | None) -> None:
+def check_weight_names(given, expected: set[str] | None, config=None) -> None:
     """Refuse a weight push that would leave part of the model on old weights: every expected
-    tensor must come, and nothing else. `expected=None` skips the check (unknown layout)."""
+    tensor must come, and nothing else. `expected=None` skips the check (unknown layout).
+    `config` (a transformers config, or the model folder to read it from, only on failure)
+    names the model type in the error (`model_families.UnsupportedFamilyError`)."""
     if expected is None:
         return
     given = set(given)
     missing, extra = sorted(expected - given), sorted(given - expected)
     if missing or extra:
-        raise KeyError(
-            f"update_weights needs exactly the model's {len(expected)} tensors (HF names, tied "
-            f"weights once): missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
-            f"unexpected {extra[:5]}{' ...' if len(extra) > 5 else ''}"
-        )
+        from grpo_train.model_families import UnsupportedFamilyError, unsupported_names_message
+
+        if isinstance(config, str):
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(config)
+        raise UnsupportedFamilyError(unsupported_names_message(config, missing, extra, len(expected)))
 
 
 def validate_score_inputs(

@@ -53,9 +53,12 @@ class HFGenerator:
             model_path, dtype=getattr(torch, dtype)
         ).to(self.device)
         self.model.eval()
-        from grpo_train.weight_sync import state_dict_for_refit
+        from grpo_train.weight_sync import iter_refit_tensors
 
-        self._weight_names = set(state_dict_for_refit(self.model))
+        # Checkpoint-format views of this model's own parameters: a push is copied into them
+        # (a fused expert tensor receives its per-expert parts, a tied head its embedding).
+        self._weight_views = dict(iter_refit_tensors(self.model))
+        self._weight_names = set(self._weight_views)
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.tokenizer.eos_token_id
@@ -135,9 +138,9 @@ class HFGenerator:
     @torch.no_grad()
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> float:
         start = time.perf_counter()
-        check_weight_names(named_tensors, self._weight_names)
-        # strict=False only because a tied lm_head is sent once, as the embedding.
-        self.model.load_state_dict(named_tensors, strict=False)
+        check_weight_names(named_tensors, self._weight_names, self.model.config)
+        for name, tensor in named_tensors.items():
+            self._weight_views[name].copy_(tensor)
         self._version = int(version)
         return time.perf_counter() - start
 

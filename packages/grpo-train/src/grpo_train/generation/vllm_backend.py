@@ -159,7 +159,7 @@ class VllmGenerator:
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> float:
         start = time.perf_counter()
         # vLLM only warns about tensors a reload did not get and keeps serving with them.
-        check_weight_names(named_tensors, self._weight_names)
+        check_weight_names(named_tensors, self._weight_names, self.model_path)
         payload = named_tensors
         if not self._in_process:
             from grpo_train.generation.vllm_worker_ext import serialize_weights
@@ -179,7 +179,7 @@ class VllmGenerator:
 
     def open_weight_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
                           metas: list, bucket_bytes: int) -> None:
-        check_weight_names([m.name for m in metas], self._weight_names)
+        check_weight_names([m.name for m in metas], self._weight_names, self.model_path)
         self.llm.collective_rpc("grpo_open_weight_group",
                                 args=(host, port, rank_offset, world_size, backend, metas, bucket_bytes))
 

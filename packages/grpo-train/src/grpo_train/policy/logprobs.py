@@ -17,6 +17,7 @@ plain SDPA for unpacked calls.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 
 import torch
@@ -29,8 +30,9 @@ IGNORE_INDEX = -100
 VARLEN_ATTENTION = "grpo_varlen_sdpa"
 # Attention implementations that split attention by cu_seq_lens_* on their own.
 PACKED_ATTENTION = (VARLEN_ATTENTION, "flash_attention_2", "flash_attention_3")
-# Mask mapping that makes a transformers-5 decoder skip mask building (packed calls need none).
-_NO_MASKS = {"full_attention": None, "sliding_attention": None}
+# Set during a packed forward: the mask function registered for VARLEN_ATTENTION then builds no
+# mask (the boundaries travel as cu_seq_lens_*), whatever the model's own mask plumbing is.
+_PACKED_CALL = contextvars.ContextVar("grpo_packed_call", default=False)
 # Off the flash kernel, sequences whose lengths are within this factor share one padded SDPA
 # call: a bucket spends at most 1 - 0.8**2 = 36 % of its attention work on padding, and a stream
 # of lengths 1..L needs only about log(L) / log(1.25) calls per layer.
@@ -40,11 +42,21 @@ BUCKET_RATIO = 0.8
 # ------------------------------------------------------------------------------ logprobs
 def _target_logprobs(model: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
                      fused: bool, chunk_size: int | None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-    """grpo_kernels' (fused) lm_head logprob op on hidden [N, H] -> [N]."""
+    """grpo_kernels' (fused) lm_head logprob op on hidden [N, H] -> [N], with what the model's
+    family does to logits after the head (`model_families`: a logit scale folds into the
+    temperature; a soft-cap needs the logits, so it takes the unfused path)."""
+    from grpo_train.model_families import family_of
+
+    family = family_of(model.config)
+    scale, cap = family.logit_scale(), family.logit_softcap()
     head = model.get_output_embeddings()
-    kwargs = {"temperature": temperature, "ignore_index": IGNORE_INDEX, "cu_seqlens": cu_seqlens}
+    kwargs = {"temperature": temperature * scale if cap is None else temperature, "ignore_index": IGNORE_INDEX,
+              "cu_seqlens": cu_seqlens}
     if chunk_size is not None:
         kwargs["chunk_size"] = chunk_size
+    if cap is not None:
+        logits = head(hidden) / scale
+        return grpo_kernels.token_logprobs(cap * torch.tanh(logits / cap), targets, **kwargs)
     if fused and getattr(head, "bias", None) is None:
         return grpo_kernels.linear_token_logprobs(hidden, head.weight, targets, **kwargs)
     return grpo_kernels.token_logprobs(head(hidden), targets, **kwargs)
@@ -75,10 +87,14 @@ def packed_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, positi
                          "give a padding tail a segment of its own")
     use_packed_attention(model)
     cu = cu_seqlens.to(device=input_ids.device, dtype=torch.int32)  # flash-attention wants int32
-    return model.base_model(
-        input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=_NO_MASKS, use_cache=False,
-        cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_seqlen, max_length_k=max_seqlen,
-    ).last_hidden_state[0]  # [T, H]
+    token = _PACKED_CALL.set(True)
+    try:
+        return model.base_model(
+            input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=None, use_cache=False,
+            cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_seqlen, max_length_k=max_seqlen,
+        ).last_hidden_state[0]  # [T, H]
+    finally:
+        _PACKED_CALL.reset(token)
 
 
 def packed_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -107,12 +123,12 @@ def varlen_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     cu = kwargs.pop("cu_seq_lens_q", None)
     if cu is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    if sliding_window is not None:
+    max_len, n_q, n_kv = int(kwargs["max_length_q"]), query.shape[1], key.shape[1]
+    if sliding_window is not None and max_len > sliding_window:  # shorter sequences never reach the window
         raise NotImplementedError("packed sequences with sliding-window attention are not supported; "
                                   "disable policy.sequence_packing for this model")
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects one stream (batch 1), got batch {query.shape[0]}")
-    max_len, n_q, n_kv = int(kwargs["max_length_q"]), query.shape[1], key.shape[1]
     varlen = _torch_varlen_attn()
     if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dropout == 0.0 and varlen is not None:
         cu32 = cu.to(torch.int32)
@@ -177,7 +193,10 @@ def _register_varlen_attention() -> None:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(VARLEN_ATTENTION, varlen_sdpa_attention)
-    AttentionMaskInterface.register(VARLEN_ATTENTION, sdpa_mask)  # unpacked calls build SDPA's masks
+    def varlen_mask(*args, **kwargs):  # unpacked calls build SDPA's masks, packed ones none
+        return None if _PACKED_CALL.get() else sdpa_mask(*args, **kwargs)
+
+    AttentionMaskInterface.register(VARLEN_ATTENTION, varlen_mask)
 
 
 def use_packed_attention(model: torch.nn.Module) -> None:
