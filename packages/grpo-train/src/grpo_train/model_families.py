@@ -57,6 +57,11 @@ class Family:
         """The head maps logits to cap * tanh(logits / cap) when set."""
         return None
 
+    def attention_softcap(self) -> float | None:
+        """Attention scores are soft-capped the same way when set (transformers' SDPA path
+        ignores it; the trainer then runs `policy.logprobs.varlen_sdpa_attention`, which applies it)."""
+        return None
+
 
 class Qwen3MoeFamily(Family):
     """transformers 5 fuses each layer's experts into `mlp.experts.gate_up_proj` [E, 2I, H]
@@ -94,6 +99,10 @@ class SoftcapFamily(Family):
 
     def logit_softcap(self) -> float | None:
         cap = getattr(self.config, "final_logit_softcapping", None)
+        return float(cap) if cap else None
+
+    def attention_softcap(self) -> float | None:
+        cap = getattr(self.config, "attn_logit_softcapping", None)
         return float(cap) if cap else None
 
 

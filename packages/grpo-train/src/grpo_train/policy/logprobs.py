@@ -66,6 +66,10 @@ def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention
                       fused: bool = True, chunk_size: int | None = None) -> torch.Tensor:
     """log p(x_t | x_<t) for t >= 1, 0 at t = 0 and on padding: [B, S] fp32."""
     B, S = input_ids.shape
+    from grpo_train.model_families import family_of
+
+    if family_of(model.config).attention_softcap():  # transformers' SDPA drops it; ours applies it
+        use_packed_attention(model)
     backbone = getattr(model, model.base_model_prefix)
     hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state[:, :-1]  # [B, S-1, H]
     targets = input_ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, IGNORE_INDEX).reshape(-1)  # [B*(S-1)]
@@ -121,6 +125,9 @@ def varlen_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     cu = kwargs.pop("cu_seq_lens_q", None)
+    softcap = kwargs.get("softcap")  # Gemma 2's attention logit soft-capping: SDPA has none
+    if cu is None and softcap:
+        return _softcap_attention(query, key, value, attention_mask, scaling, softcap).transpose(1, 2), None
     if cu is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     max_len, n_q, n_kv = int(kwargs["max_length_q"]), query.shape[1], key.shape[1]
@@ -130,13 +137,14 @@ def varlen_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects one stream (batch 1), got batch {query.shape[0]}")
     varlen = _torch_varlen_attn()
-    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dropout == 0.0 and varlen is not None:
+    if (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dropout == 0.0 and varlen is not None
+            and not softcap):
         cu32 = cu.to(torch.int32)
         out = varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu32, cu32, max_len, max_len,
                      scale=scaling, window_size=(-1, 0), enable_gqa=n_q != n_kv)  # [T, Hq, D]
         return out[None], None
     qkv = torch.cat([query[0], key[0], value[0]], dim=0).transpose(0, 1)  # [T, Hq + 2 Hkv, D]
-    out = _bucketed_causal_attention(qkv, cu.to(torch.int64), (n_q, n_kv), dropout, scaling)  # [T, Hq, D]
+    out = _bucketed_causal_attention(qkv, cu.to(torch.int64), (n_q, n_kv), dropout, scaling, softcap)  # [T, Hq, D]
     return out[None], None
 
 
@@ -151,7 +159,7 @@ def _length_buckets(lengths: list[int]) -> list[list[int]]:
 
 
 def _bucketed_causal_attention(qkv: torch.Tensor, cu: torch.Tensor, heads: tuple[int, int], dropout: float,
-                               scaling: float | None) -> torch.Tensor:
+                               scaling: float | None, softcap: float | None = None) -> torch.Tensor:
     """Causal attention of every sequence of a packed stream, one padded SDPA call per bucket of
     similar lengths. qkv [T, Hq + 2 Hkv, D] (cu covers all T tokens) -> [T, Hq, D].
 
@@ -168,13 +176,37 @@ def _bucketed_causal_attention(qkv: torch.Tensor, cu: torch.Tensor, heads: tuple
         valid = cols[None, :] < torch.tensor([lengths[i] for i in bucket], device=qkv.device)[:, None]  # [n, L]
         src = (first[:, None] + torch.where(valid, cols, 0)).reshape(-1)  # padding slots re-read token 0
         q, k, v = qkv.index_select(0, src).view(len(bucket), L, -1, D).transpose(1, 2).split([n_q, n_kv, n_kv], dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling,
-                                           enable_gqa=n_q != n_kv)  # [n, Hq, L, D]
+        if softcap:
+            o = _softcap_attention(q, k, v, None, scaling, softcap)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling,
+                                               enable_gqa=n_q != n_kv)  # [n, Hq, L, D]
         keep = valid.reshape(-1).nonzero().squeeze(1)
         outs.append(o.transpose(1, 2).reshape(-1, n_q, D).index_select(0, keep))
         rows.append(src[keep])
     order = torch.argsort(torch.cat(rows))  # the buckets' tokens cover 0..T-1 once each
     return torch.cat(outs).index_select(0, order)
+
+
+def _softcap_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                       scaling: float | None, softcap: float) -> torch.Tensor:
+    """Attention with soft-capped scores, cap * tanh(scores / cap), as Gemma 2 defines it (eager
+    math: no fused kernel caps). query [B, Hq, Q, D], key/value [B, Hkv, K, D]; mask: transformers'
+    SDPA mask (bool, True attends, or additive) or None for plain causal -> [B, Hq, Q, D]."""
+    rep = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    if mask is None:
+        q_len, k_len = scores.shape[-2:]
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).tril(k_len - q_len)
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    else:
+        scores = scores + mask[..., : scores.shape[-1]]
+    probs = torch.softmax(scores.float(), dim=-1).to(value.dtype)
+    return torch.matmul(probs, value)
 
 
 @functools.cache
