@@ -102,6 +102,7 @@ class AsyncVllmGenerator:
             if saved_env is not None:
                 os.environ["VLLM_CPU_KVCACHE_SPACE"] = saved_env
         self._weight_names = _checkpoint_weight_names(model_path)
+        self.model_path = model_path  # names the model type when a push is refused
         self.start_seconds = time.perf_counter() - start
 
     # -- protocol ----------------------------------------------------------------------------
