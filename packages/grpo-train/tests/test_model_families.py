@@ -62,7 +62,7 @@ FAMILIES = {
     "mistral": ("MistralForCausalLM", None),
     "qwen2": ("Qwen2ForCausalLM", None),
     "qwen3": ("Qwen3ForCausalLM", None),
-    "qwen3_moe": ("Qwen3MoeForCausalLM", "refit within 1e-4 (fp32) at init scale; see PERTURB"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "FAILS: experts not live after a push (0.126), see benchmarks/results/model_families_cpu.md"),
     "gemma2": ("Gemma2ForCausalLM", None),
     "gemma3_text": ("Gemma3ForCausalLM", None),
     "phi3": ("Phi3ForCausalLM", None),
@@ -230,8 +230,14 @@ def test_readme_table_lists_every_family():
     assert family_table() in README.read_text(), "README 'Model families' table is stale:\n" + family_table()
 
 
+# Qwen3-MoE: names are the checkpoint's and the engine matches before any push, but after a push
+# its experts do not follow (0.126 measured): open, see benchmarks/results/model_families_cpu.md.
+ENGINE_XFAIL = {"qwen3_moe": "vLLM CPU MoE experts not live after an in-place reload"}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", list(FAMILIES))
+@pytest.mark.parametrize("model_type", [pytest.param(t, marks=pytest.mark.xfail(reason=ENGINE_XFAIL[t], strict=True))
+                                        if t in ENGINE_XFAIL else t for t in FAMILIES])
 def test_engine_refit(model_type, family_dirs):
     """One engine per family, started one after another in this process (~2-10 s each once vLLM
     is imported): push after one optimizer step, then the engine runs the trainer's weights."""
@@ -249,7 +255,7 @@ def test_engine_refit(model_type, family_dirs):
     try:
         gen = VllmGenerator(path, max_model_len=256, temperature_for_logprobs=TEMPERATURE, kv_cache_space_gb=0.125)
     except Exception as err:  # noqa: BLE001 - a family the CPU build cannot run must say so in FAMILIES
-        if engine_note is None or "refit within" in engine_note:
+        if engine_note is None or model_type in ENGINE_XFAIL:
             raise
         assert engine_note.split(":")[0] in str(err)
         return
