@@ -58,6 +58,10 @@ def check_supported(cfg: GRPOMasterConfig) -> list[str]:
     if gen.weight_transport == "ipc" and (cfg.cluster.gpus_per_node == 0 or not gen.colocated.enabled):
         raise StartupError("policy.generation.weight_transport: 'ipc' needs GPUs shared with the trainer "
                            "(colocated on GPUs); use 'collective' or 'object_store'")
+    res = gen.colocated.resources
+    if (res.gpus_per_node or res.num_nodes) and (gen.colocated.enabled or cfg.cluster.gpus_per_node == 0):
+        raise StartupError("policy.generation.colocated.resources: GPUs of generation's own apply only with "
+                           "policy.generation.colocated.enabled: false on GPUs (cluster.gpus_per_node > 0); set them to null")
     warnings = []
     policy = cfg.policy
     for name in ("sequence_packing", "dynamic_batching"):
@@ -68,6 +72,19 @@ def check_supported(cfg: GRPOMasterConfig) -> list[str]:
                 warnings.append(f"policy.{name}.{field}={budget} is below policy.max_total_sequence_length="
                                 f"{policy.max_total_sequence_length}: a longer sequence will stop training with an error")
     return warnings
+
+
+def check_plan(cfg: GRPOMasterConfig, model_path: str):
+    """The placement plan (grpo_train.plan) of the run, or a StartupError naming the keys to change."""
+    from grpo_train.plan import PlanError, make_plan
+
+    try:
+        plan = make_plan(cfg, model_path=model_path)
+    except PlanError as exc:
+        raise StartupError(str(exc)) from None
+    if plan.problems:
+        raise StartupError(f"placement plan (see `grpo plan`): {plan.problems[0]}")
+    return plan
 
 
 def init_ray(cluster_cfg, env_vars: dict[str, str]) -> None:
@@ -185,8 +202,18 @@ def build_envs(cfg: GRPOMasterConfig) -> dict:
     """env name -> EnvPool of Ray actors (the async collector calls the same actors)."""
     from grpo_envs.pool import EnvPool
 
-    return {name: EnvPool(name, env_cfg.model_dump(exclude={"num_workers"}), num_workers=env_cfg.num_workers)
+    return {name: EnvPool(name, env_cfg.model_dump(exclude={"num_workers", "resources"}), num_workers=env_cfg.num_workers,
+                          actor_options=env_actor_options(env_cfg.resources))
             for name, env_cfg in cfg.env.items()}
+
+
+def env_actor_options(resources: dict[str, float] | None) -> dict:
+    """Ray options of an environment actor from `env.<name>.resources` (CPU 1 unless given)."""
+    want = dict(resources or {})
+    options = {"num_cpus": want.pop("CPU", 1), "num_gpus": want.pop("GPU", 0)}
+    if want:
+        options["resources"] = want
+    return options
 
 
 def attach_generators(cfg: GRPOMasterConfig, policy, generator) -> None:
@@ -230,7 +257,11 @@ def build_components(cfg: GRPOMasterConfig, model_path: str) -> Components:
 
         flags = cfg.grpo.async_grpo  # in-flight pushes that keep old KV cannot reset a prefix cache
         prefix_caching = not (flags.in_flight_weight_updates and not flags.recompute_kv_cache_after_weight_updates)
-        generator = make_async_generation_actor(model_path, num_cpus=1, prefix_caching=prefix_caching, **gen_kwargs)
+        # On GPUs the engine takes its tensor-parallel GPUs (from policy.generation.colocated.resources, which
+        # async GRPO requires to be separate); Ray then gives it those devices and no others.
+        gpus = vllm.tensor_parallel_size if cfg.cluster.gpus_per_node > 0 else 0
+        generator = make_async_generation_actor(model_path, num_cpus=1, num_gpus=gpus, prefix_caching=prefix_caching,
+                                                **gen_kwargs)
     else:
         resources = gen_cfg.colocated.resources
         engines = place_generators(gen_cfg.backend, model_path, gpus_per_node=cfg.cluster.gpus_per_node,

@@ -454,6 +454,9 @@ class EnvConfig(Section):
     model_config = ConfigDict(extra="allow", frozen=True)
     num_workers: int = Field(1, ge=1)
     """Ray actors running this environment."""
+    resources: dict[str, float] | None = None
+    """Ray resources of each of its actors, e.g. {GPU: 1} for a reward model (CPU defaults to 1, other
+    names are custom Ray resources); null: one CPU. `grpo plan` shows where they land."""
 
 
 class WandbConfig(Section):
@@ -485,6 +488,9 @@ class ClusterConfig(Section):
     """Ray cluster address; null: RAY_ADDRESS or a local Ray."""
     num_cpus: int | None = None
     """CPUs the local Ray may use; null: all."""
+    gpu_memory_gb: float | None = Field(None, gt=0)
+    """Memory of each GPU: `grpo train` refuses a placement plan that does not fit it (grpo_train.plan;
+    `grpo plan` prints the plan); null: the plan's GPU count is checked, its memory is not."""
 
 
 class CheckpointingConfig(Section):
