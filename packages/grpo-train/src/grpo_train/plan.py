@@ -228,14 +228,13 @@ def make_plan(cfg: GRPOMasterConfig, gpu_memory_gb: float | None = None, model_p
     # value ranks (PPO)
     if cfg.value is not None:
         vb = DTYPE_BYTES[cfg.value.precision]
-        vdiv = cfg.value.num_workers if g and cfg.value.num_workers > 1 else 1
         for r in range(cfg.value.num_workers):
             node, dev = ((next_gpu + r) // g, next_gpu + r) if g else (None, None)
             actors.append(Actor(f"value rank {r}", node, f"value[{r}] {{GPU:1,CPU:1}}" if g else f"value[{r}] {{CPU:1}}",
                                 1.0 if g else 0.0, dev))
             if g and dev < len(gpus):
                 gpus[dev].role = "value"
-                _trainer_memory(gpus[dev], P, vb, vdiv, False, False)
+                _trainer_memory(gpus[dev], P, vb, 1, False, False)  # value ranks hold full replicas
         next_gpu += cfg.value.num_workers if g else 0
 
     # environments
