@@ -230,18 +230,12 @@ def attach_generators(cfg: GRPOMasterConfig, policy, generator) -> None:
         raise StartupError(str(exc)) from None
 
 
-def build_components(cfg: GRPOMasterConfig, model_path: str) -> Components:
-    from transformers import AutoTokenizer
-
+def start_generator(cfg: GRPOMasterConfig, model_path: str, policy):
+    """The generation engine(s) of the run, placed as the config says (grpo_train.plan prints where):
+    the async engine, or `place_generators`' engines (colocated in the policy's bundles, or separate)."""
     from grpo_train.generation.actor import place_generators
     from grpo_train.generation.group import GeneratorGroup
-    from grpo_train.policy.group import PolicyGroup
 
-    # The actors start first: the engine's start-up is the longest wait of a launch, and the
-    # tokenizer, the datasets and the environments are built meanwhile.
-    threads = threads_per_actor()
-    policy = PolicyGroup(model_path, cfg.policy, cfg.loss_fn, cfg.cluster, cfg.grpo.seed, num_threads=threads,
-                         colocated_generation=cfg.policy.generation.colocated.enabled, start=False)
     gen_cfg = cfg.policy.generation
     if gen_cfg.backend == "vllm":
         vllm = gen_cfg.vllm_cfg
@@ -268,6 +262,20 @@ def build_components(cfg: GRPOMasterConfig, model_path: str) -> Components:
                                    colocated=gen_cfg.colocated.enabled, policy_placement_group=policy.placement_group,
                                    separate_gpus=(resources.gpus_per_node or 0) * (resources.num_nodes or 1), **gen_kwargs)
         generator = engines[0] if len(engines) == 1 else GeneratorGroup(engines)
+    return generator
+
+
+def build_components(cfg: GRPOMasterConfig, model_path: str) -> Components:
+    from transformers import AutoTokenizer
+
+    from grpo_train.policy.group import PolicyGroup
+
+    # The actors start first: the engine's start-up is the longest wait of a launch, and the
+    # tokenizer, the datasets and the environments are built meanwhile.
+    threads = threads_per_actor()
+    policy = PolicyGroup(model_path, cfg.policy, cfg.loss_fn, cfg.cluster, cfg.grpo.seed, num_threads=threads,
+                         colocated_generation=cfg.policy.generation.colocated.enabled, start=False)
+    generator = start_generator(cfg, model_path, policy)
     tokenizer_path = resolve_model_path(cfg.policy.tokenizer.name, "policy.tokenizer.name") if cfg.policy.tokenizer.name else model_path
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     train_sets, val_set = build_datasets(cfg, tokenizer)
