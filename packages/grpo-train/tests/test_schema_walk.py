@@ -65,39 +65,39 @@ TABLE = {
     "grpo.val_batch_size": R("grpo_train/run.py"),
     "grpo.val_num_generations": R("grpo_train/run.py"),
     "grpo.seed": R("grpo_train/setup.py"),
-    "grpo.reward_shaping.enabled": R("grpo_train/setup.py"),
+    "grpo.reward_shaping.enabled": T("packages/grpo-train/tests/test_advantages.py::test_reward_scaling_and_shaping_by_hand"),
     "grpo.reward_shaping.overlong_buffer_length": T("packages/grpo-train/tests/test_advantages.py::test_reward_scaling_and_shaping_by_hand"),
     "grpo.reward_shaping.overlong_buffer_penalty": T("packages/grpo-train/tests/test_advantages.py::test_reward_scaling_and_shaping_by_hand"),
     "grpo.reward_shaping.max_response_length": T("packages/grpo-train/tests/test_advantages.py::test_reward_scaling_and_shaping_by_hand"),
     "grpo.reward_shaping.stop_properly_penalty_coef": T("packages/grpo-train/tests/test_advantages.py::test_reward_scaling_and_shaping_by_hand"),
-    "grpo.reward_scaling.enabled": R("grpo_train/setup.py"),
-    "grpo.reward_scaling.source_min": R("grpo_train/advantages.py"),
-    "grpo.reward_scaling.source_max": R("grpo_train/advantages.py"),
-    "grpo.reward_scaling.target_min": R("grpo_train/advantages.py"),
-    "grpo.reward_scaling.target_max": R("grpo_train/advantages.py"),
+    "grpo.reward_scaling.enabled": T("packages/grpo-train/tests/test_advantages.py::test_reward_scaling_and_shaping_by_hand"),
+    "grpo.reward_scaling.source_min": T("packages/grpo-train/tests/test_advantages.py::test_reward_scaling_and_shaping_by_hand"),
+    "grpo.reward_scaling.source_max": T("packages/grpo-train/tests/test_advantages.py::test_reward_scaling_and_shaping_by_hand"),
+    "grpo.reward_scaling.target_min": T("packages/grpo-train/tests/test_advantages.py::test_reward_scaling_and_shaping_by_hand"),
+    "grpo.reward_scaling.target_max": T("packages/grpo-train/tests/test_advantages.py::test_reward_scaling_and_shaping_by_hand"),
     "grpo.async_grpo.enabled": R("grpo_train/setup.py"),
     "grpo.async_grpo.max_trajectory_age_steps": T("packages/grpo-train/tests/test_replay_buffer.py::test_negative_bound_names_the_key"),
     "grpo.async_grpo.in_flight_weight_updates": R("grpo_train/async_loop.py"),
     "grpo.async_grpo.recompute_kv_cache_after_weight_updates": R("grpo_train/setup.py"),
-    "grpo.refit_check.enabled": R("grpo_train/setup.py"),
+    "grpo.refit_check.enabled": R("grpo_train/sync_loop.py"),
     "grpo.refit_check.num_probe_sequences": R("grpo_train/sync_loop.py"),
     "grpo.refit_check.max_abs_logprob_diff": T("tests/test_e2e_ppo.py::test_ppo_value_loss_falls_and_held_out_accuracy_rises"),
     "grpo.refit_check.period": R("grpo_train/sync_loop.py"),
     "loss_fn.reference_policy_kl_penalty": R("grpo_train/train_step.py"),
-    "loss_fn.reference_policy_kl_type": R("grpo_kernels/reference.py"),
-    "loss_fn.kl_input_clamp_value": R("grpo_kernels/reference.py"),
-    "loss_fn.kl_output_clamp_value": R("grpo_kernels/reference.py"),
-    "loss_fn.ratio_clip_min": R("grpo_kernels/reference.py"),
-    "loss_fn.ratio_clip_max": R("grpo_kernels/reference.py"),
-    "loss_fn.ratio_clip_c": R("grpo_kernels/reference.py"),
+    "loss_fn.reference_policy_kl_type": T("packages/grpo-kernels/tests/test_pg_loss.py::test_kl_types_at_the_clamps_by_hand"),
+    "loss_fn.kl_input_clamp_value": T("packages/grpo-kernels/tests/test_pg_loss.py::test_kl_types_at_the_clamps_by_hand"),
+    "loss_fn.kl_output_clamp_value": T("packages/grpo-kernels/tests/test_pg_loss.py::test_kl_types_at_the_clamps_by_hand"),
+    "loss_fn.ratio_clip_min": T("packages/grpo-kernels/tests/test_pg_loss.py::test_ppo_clipping_by_hand"),
+    "loss_fn.ratio_clip_max": T("packages/grpo-train/tests/test_schema_walk.py::test_ratio_clip_max_is_the_upper_clip"),
+    "loss_fn.ratio_clip_c": T("packages/grpo-kernels/tests/test_pg_loss.py::test_dual_clip_with_negative_advantages_by_hand"),
     "loss_fn.use_on_policy_kl_approximation": T("packages/grpo-kernels/tests/test_pg_loss.py::test_on_policy_kl_weight_is_applied_before_the_output_clamp"),
-    "loss_fn.use_importance_sampling_correction": R("grpo_kernels/reference.py"),
+    "loss_fn.use_importance_sampling_correction": T("packages/grpo-kernels/tests/test_pg_loss.py::test_importance_weights_are_ignored_without_correction_but_still_reported"),
     "loss_fn.truncated_importance_sampling_type": T("packages/grpo-kernels/tests/test_loss_config.py::test_accepted_combinations"),
     "loss_fn.truncated_importance_sampling_ratio": T("packages/grpo-kernels/tests/test_loss_config.py::test_accepted_combinations"),
     "loss_fn.truncated_importance_sampling_ratio_min": T("packages/grpo-kernels/tests/test_loss_config.py::test_accepted_combinations"),
     "loss_fn.token_level_loss": T("packages/grpo-train/tests/test_packed_training.py::test_packing_matches_padded_with_sequence_level_loss_and_fused_head"),
     "loss_fn.sequence_level_importance_ratios": T("packages/grpo-train/tests/test_packed_training.py::test_packing_matches_padded_with_sequence_level_loss_and_fused_head"),
-    "loss_fn.disable_ppo_ratio": R("grpo_kernels/reference.py"),
+    "loss_fn.disable_ppo_ratio": T("packages/grpo-kernels/tests/test_pg_loss.py::test_reinforce_by_hand"),
     "policy.model_name": T("tests/test_e2e_grpo.py::test_missing_local_model_fails_at_startup_with_one_line"),
     "policy.tokenizer.name": R("grpo_train/setup.py"),
     "policy.tokenizer.chat_template_kwargs": T("packages/grpo-data/tests/test_processors.py::test_math_passes_chat_template_kwargs"),
@@ -134,7 +134,7 @@ TABLE = {
     "policy.scheduler.kwargs": R("grpo_train/policy/optim.py"),
     "policy.scheduler.milestones": R("grpo_train/policy/optim.py"),
     "policy.generation.backend": R("grpo_train/generation/actor.py"),
-    "policy.generation.max_new_tokens": R("grpo_train/multi_turn.py"),
+    "policy.generation.max_new_tokens": R("grpo_train/sync_loop.py"),
     "policy.generation.temperature": R("grpo_train/policy/worker.py"),
     "policy.generation.top_p": R("grpo_train/sync_loop.py"),
     "policy.generation.top_k": R("grpo_train/sync_loop.py"),
@@ -157,7 +157,7 @@ TABLE = {
     "data.max_input_seq_length": T("packages/grpo-data/tests/test_datasets.py::test_build_dataset_arithmetic_demo"),
     "data.shuffle": R("grpo_train/setup.py"),
     "data.num_workers": R("grpo_train/setup.py"),
-    "data.<entry>.dataset_name": R("grpo_train/sync_loop.py"),
+    "data.<entry>.dataset_name": R("grpo_data/datasets.py"),
     "data.<entry>.task_name": T("packages/grpo-data/tests/test_records.py::test_task_spec_is_frozen_and_renders"),
     "data.<entry>.processor": T("packages/grpo-data/tests/test_datasets.py::test_processed_dataset_applies_the_processor_lazily"),
     "data.<entry>.processor_kwargs": R("grpo_data/datasets.py"),
@@ -175,10 +175,10 @@ TABLE = {
     "data.<entry>.input_key": T("packages/grpo-data/tests/test_datasets.py::test_build_data_lists_defaults_and_carved_validation"),
     "data.<entry>.output_key": T("packages/grpo-data/tests/test_datasets.py::test_build_data_lists_defaults_and_carved_validation"),
     "data.<entry>.subset": T("packages/grpo-data/tests/test_builtin_datasets.py::test_unknown_split_and_offline_hub_message"),
-    "data.<entry>.split": R("grpo_train/generation/actor.py"),
+    "data.<entry>.split": R("grpo_data/datasets.py"),
     "data.<entry>.val_split": R("grpo_data/datasets.py"),
     "data.<entry>.repeat": T("packages/grpo-data/tests/test_response_dataset.py::test_val_data_path_repeat_and_keys"),
-    "data.<entry>.size": R("grpo_train/async_loop.py"),
+    "data.<entry>.size": R("grpo_data/datasets.py"),
     "data.<entry>.digits": T("packages/grpo-data/tests/test_datasets.py::test_build_dataset_arithmetic_demo"),
     "data.<entry>.operations": T("packages/grpo-data/tests/test_datasets.py::test_build_dataset_arithmetic_demo"),
     "data.use_multiple_dataloader": T("packages/grpo-data/tests/test_multi_dataloader.py::test_make_train_iterator_from_the_data_section"),
@@ -285,11 +285,14 @@ def test_cited_tests_exist_and_modules_read_their_key():
             text = (ROOT / path).read_text()
             if not re.search(rf"^(async )?def {name}\(", text, re.M):
                 problems.append(f"{key}: {how.test} does not exist")
+            elif not re.search(rf"\b{leaf}\b", text):
+                problems.append(f"{key}: {path} never names {leaf!r}")
         elif isinstance(how, R):
             package = how.module.split("/")[0].replace("_", "-")
             text = (ROOT / "packages" / package / "src" / how.module).read_text()
-            if not re.search(rf"\b{leaf}\b", text):
-                problems.append(f"{key}: {how.module} does not read {leaf!r}")
+            parent = [p for p in key.split(".")[:-1] if not p.startswith("<")][-1]
+            if not (re.search(rf"\b{leaf}\b", text) and re.search(rf"\b{parent}\b", text)):
+                problems.append(f"{key}: {how.module} does not name {parent!r} and {leaf!r}")
     assert not problems, "\n".join(problems)
 
 
@@ -372,3 +375,21 @@ def test_deadline_saves_before_the_next_step_would_overrun():
         validate_config_dict({"checkpointing": {"checkpoint_must_save_by": "soon"}})
     with pytest.raises(ConfigError, match="checkpointing.enabled: true"):
         validate_config_dict({"checkpointing": {"enabled": False, "checkpoint_must_save_by": "01:00:00"}})
+
+
+@pytest.mark.parametrize(("clip_max", "loss"), [(0.2, -1.2), (0.4, -1.4)])
+def test_ratio_clip_max_is_the_upper_clip(clip_max, loss):
+    """DAPO clip-higher by hand: r = 1.5, A = +1 -> max(-A r, -A clamp(r, 0.8, 1 + clip_max))."""
+    import math
+
+    import torch
+
+    from grpo_kernels import reference
+    from grpo_kernels.loss_config import PGLossConfig
+
+    f64 = dict(dtype=torch.float64)
+    curr = torch.tensor([[math.log(1.5)]], **f64, requires_grad=True)
+    zeros, ones = torch.zeros(1, 1, **f64), torch.ones(1, 1, **f64)
+    cfg = PGLossConfig(reference_policy_kl_penalty=0.0, ratio_clip_max=clip_max)
+    value, _ = reference.clipped_pg_loss(curr, zeros, zeros, None, ones, ones, torch.ones(1, **f64), cfg, 1, 1, None)
+    assert value.item() == pytest.approx(loss, abs=1e-12)
