@@ -9,13 +9,10 @@ whose `where()` reports the node, the bundle and the devices Ray gave them. No C
 from __future__ import annotations
 
 import os
-import re
 from typing import Any
 
 PROBE = False
 """Set by placement tests (in the driver): start probes in place of the real actors."""
-
-_BUNDLE_RESOURCE = re.compile(r"_group_(\d+)_([0-9a-f]+)$")
 
 
 def actor_class(cls: type, **remote_kwargs: Any):
@@ -51,11 +48,13 @@ class PlacementProbe:
 
     def where(self) -> dict:
         import ray
+        from ray._private.utils import PLACEMENT_GROUP_INDEXED_BUNDLED_RESOURCE_PATTERN as INDEXED
 
         ctx = ray.get_runtime_context()
-        assigned = ctx.get_assigned_resources()
-        bundles = sorted({int(m.group(1)) for key in assigned if (m := _BUNDLE_RESOURCE.search(key))})
+        # The placement-group form of the resources (e.g. GPU_group_3_<pg>) names the bundle; the
+        # public get_assigned_resources() folds it back into plain names.
+        raw = ray._private.worker.global_worker.core_worker.resource_ids()
+        bundles = sorted({int(m.group(2)) for key in raw if (m := INDEXED.match(key)) and m.group(1) != "bundle"})
         return {"role": self.role, "node_id": ctx.get_node_id(), "bundles": bundles,
-                "placement_group": ctx.get_placement_group_id(), "gpus": sum(v for k, v in assigned.items() if k == "GPU"
-                                                                            or k.startswith("GPU_group_") and not _BUNDLE_RESOURCE.search(k)),
+                "placement_group": ctx.get_placement_group_id(), "gpus": ctx.get_assigned_resources().get("GPU", 0.0),
                 "gpu_ids": [str(i) for i in ray.get_gpu_ids()], "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
