@@ -113,3 +113,23 @@ def test_generation_resources_that_would_be_ignored_are_refused(sections):
 
     with pytest.raises(StartupError, match="^policy.generation.colocated.resources: .*set them to null"):
         check_supported(validate_config_dict(sections))
+
+
+def test_train_refuses_a_plan_that_does_not_fit_before_any_actor(tmp_path, capsys):
+    from grpo_train.setup import StartupError, check_plan
+
+    cfg, _ = load_config("grpo_math_1B", ["+cluster.gpu_memory_gb=24"], [CONFIG_DIR])
+    with pytest.raises(StartupError, match=r"^placement plan \(see `grpo plan`\): GPU 0 needs 45.3 GB"):
+        check_plan(cfg, None)
+    assert not check_plan(load_config("grpo_math_1B", ["+cluster.gpu_memory_gb=80"], [CONFIG_DIR])[0], None).problems
+    # the same through `grpo train`: exit 2 and one line, before Ray starts (the model is unknown offline,
+    # so the resolved-model step is skipped by pointing at the bundled model's folder)
+    from grpo_train.assets import builtin_model_path
+
+    model = builtin_model_path("arith-tiny")
+    code = main(["train", "-c", "grpo_math_1B", f"policy.model_name={model}", "+cluster.gpu_memory_gb=0.001",
+                 "--run-dir", str(tmp_path / "run")])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("grpo: placement plan (see `grpo plan`): GPU 0")
+    assert not (tmp_path / "run").exists()
