@@ -11,14 +11,21 @@ cluster covers packing within a node and across nodes.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
-from test_multinode import free_port, start_node, stop_nodes, wait_for_nodes
+
+# The node helpers of test_multinode.py (pytest imports test files by path, not as a package).
+_spec = importlib.util.spec_from_file_location("grpo_multinode_helpers", Path(__file__).with_name("test_multinode.py"))
+_nodes = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_nodes)
+free_port, start_node, stop_nodes, wait_for_nodes = _nodes.free_port, _nodes.start_node, _nodes.stop_nodes, _nodes.wait_for_nodes
 
 pytestmark = pytest.mark.slow
 
