@@ -17,5 +17,6 @@ def test_step_timeout_from_config_reaches_the_pool(monkeypatch):
     cfg = validate_config_dict({"env": {"math": {"num_workers": 2, "step_timeout_s": 30, "timeout_s": 2.0},
                                         "code": {}}})
     build_envs(cfg)
-    assert made["math"] == ({"timeout_s": 2.0}, 2, {"step_timeout_s": 30.0})
-    assert made["code"] == ({}, 1, {"step_timeout_s": None})
+    one_cpu = {"num_cpus": 1, "num_gpus": 0}
+    assert made["math"] == ({"timeout_s": 2.0}, 2, {"step_timeout_s": 30.0, "actor_options": one_cpu})
+    assert made["code"] == ({}, 1, {"step_timeout_s": None, "actor_options": one_cpu})

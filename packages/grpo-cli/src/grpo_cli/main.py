@@ -63,6 +63,12 @@ def _build_parser() -> argparse.ArgumentParser:
     validate.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     config_sub.add_parser("list", help="list the built-in configs")
 
+    plan = sub.add_parser("plan", help="print where every actor runs and what each GPU holds, without loading a "
+                          "model; exit 2 when the plan does not fit")
+    add_config_args(plan)
+    plan.add_argument("--gpu-memory-gb", type=float, default=None,
+                      help="memory of each GPU (default: cluster.gpu_memory_gb, else 80)")
+
     plot = sub.add_parser("plot", help="plot reward, accuracy and KL of a run folder")
     plot.add_argument("run_dir")
     return parser
@@ -116,6 +122,20 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return evaluate(config, raw, checkpoint=args.checkpoint)
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    config, raw = _load(args.config, args.overrides)
+    from grpo_train.plan import PlanError, make_plan  # no torch, no Ray
+
+    memory = args.gpu_memory_gb or config.cluster.gpu_memory_gb or 80.0
+    try:
+        plan = make_plan(config, gpu_memory_gb=memory)
+    except PlanError as exc:
+        print(f"grpo: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    print(plan.render())
+    return EXIT_CONFIG_ERROR if plan.problems else 0
+
+
 def _cmd_plot(args: argparse.Namespace) -> int:
     from grpo_train.plotting import plot_run
 
@@ -133,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command is None:  # bare `grpo` runs the offline demo
         args = _build_parser().parse_args(["train"])
-    handlers = {"config": _cmd_config, "train": _cmd_train, "eval": _cmd_eval, "plot": _cmd_plot}
+    handlers = {"config": _cmd_config, "train": _cmd_train, "eval": _cmd_eval, "plan": _cmd_plan, "plot": _cmd_plot}
     from grpo_train.config.errors import ConfigError
 
     try:

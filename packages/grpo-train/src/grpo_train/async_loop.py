@@ -23,6 +23,7 @@ import ray
 
 from grpo_train.collector import SharedParts, make_collector_actor
 from grpo_train.config.schema import GRPOMasterConfig
+from grpo_train.deadline import SaveDeadline
 from grpo_train.replay_buffer import GroupEntry, make_replay_buffer_actor
 from grpo_train.run_state import TrainerState, save_checkpoint
 from grpo_train.sync_loop import run_validation, total_steps
@@ -42,6 +43,7 @@ def train_async(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Traine
             run_validation(cfg, parts, logger, step=0)
         ray.get(collector.start.remote())
         before = ray.get(collector.stats.remote())
+        deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by)
         while state.step < last:
             step = state.step + 1
             timer = PhaseTimer()
@@ -76,7 +78,8 @@ def train_async(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Traine
             logger.log(metrics, step)
 
             due_val = (cfg.grpo.val_period and step % cfg.grpo.val_period == 0) or (step == last and cfg.grpo.val_at_end)
-            due_ckpt = checkpoints is not None and (step % cfg.checkpointing.save_period == 0 or step == last)
+            stop = deadline.step_done() and step < last
+            due_ckpt = checkpoints is not None and (step % cfg.checkpointing.save_period == 0 or step == last or stop)
             if (due_val or due_ckpt) and not held:
                 ray.get(collector.hold.remote())
                 held = True
@@ -86,6 +89,9 @@ def train_async(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Traine
                 save_async_checkpoint(checkpoints, parts, buffer, collector, state, ckpt_metrics)
             if held:
                 ray.get(collector.release.remote())
+            if stop:
+                deadline.announce(step)
+                break
     finally:
         stop_collector(buffer, collector)
     return state

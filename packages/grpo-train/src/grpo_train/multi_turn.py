@@ -11,10 +11,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
-import ray
 
 from grpo_train.batch import Rollout
-from grpo_train.rollout import RolloutResult, prompt_messages, step_environments
+from grpo_train.rollout import RolloutResult, generate_in_chunks, prompt_messages, step_environments
 
 
 @dataclass
@@ -55,7 +54,7 @@ def observation_ids(tokenizer, message: dict) -> list[int]:
 
 
 def multi_turn_rollout(generator, envs: dict, datums: list, sampling, tokenizer, max_turns: int,
-                       max_total_len: int) -> RolloutResult:
+                       max_total_len: int, chunk_size: int | None = None) -> RolloutResult:
     n = sampling.n
     convs = [_Conversation(d, p, d.token_ids.tolist(), prompt_messages(d)) for p, d in enumerate(datums) for _ in range(n)]
     generate_s = reward_s = 0.0
@@ -66,10 +65,10 @@ def multi_turn_rollout(generator, envs: dict, datums: list, sampling, tokenizer,
             break
         start = time.perf_counter()
         if turn == 0:
-            results = ray.get(generator.generate.remote([d.token_ids.tolist() for d in datums], sampling))
+            results = generate_in_chunks(generator, [d.token_ids.tolist() for d in datums], sampling, chunk_size)
         else:
             prompts = [c.prompt_ids + c.response_ids for c in active]
-            results = ray.get(generator.generate.remote(prompts, replace(sampling, n=1)))
+            results = generate_in_chunks(generator, prompts, replace(sampling, n=1), chunk_size)
         generate_s += time.perf_counter() - start
         for conv, res in zip(active, results):
             conv.add_generation(list(res.response_ids), list(res.response_logprobs), res.text, res.finish_reason)

@@ -60,11 +60,24 @@ def step_environments(envs: dict, datums: list, message_logs: list[list[dict]]) 
     return step
 
 
-def rollout(generator, envs: dict, datums: list, sampling: SamplingSpec) -> RolloutResult:
+def generate_in_chunks(generator, prompts: list, sampling: SamplingSpec, chunk_size: int | None) -> list:
+    """`generator.generate` over `prompts` in calls of at most `chunk_size` prompts (policy.generation_batch_size),
+    one after the other; the results are those of one call, prompt-major, prompt_index into `prompts`."""
+    if not chunk_size or chunk_size >= len(prompts):
+        return ray.get(generator.generate.remote(prompts, sampling))
+    results = []
+    for start in range(0, len(prompts), chunk_size):
+        for res in ray.get(generator.generate.remote(prompts[start:start + chunk_size], sampling)):
+            res.prompt_index += start
+            results.append(res)
+    return results
+
+
+def rollout(generator, envs: dict, datums: list, sampling: SamplingSpec, chunk_size: int | None = None) -> RolloutResult:
     """Generate `sampling.n` responses per datum and score them (one turn)."""
     start = time.perf_counter()
     prompts = [d.token_ids.tolist() for d in datums]
-    results = ray.get(generator.generate.remote(prompts, sampling))
+    results = generate_in_chunks(generator, prompts, sampling, chunk_size)
     generate_s = time.perf_counter() - start
     start = time.perf_counter()
     sample_datums = [datums[r.prompt_index] for r in results]
@@ -88,5 +101,6 @@ def rollout_batch(cfg, parts, datums: list, sampling: SamplingSpec) -> RolloutRe
         from grpo_train.multi_turn import multi_turn_rollout
 
         return multi_turn_rollout(parts.generator, parts.envs, datums, sampling, parts.tokenizer,
-                                  cfg.grpo.max_rollout_turns, cfg.policy.max_total_sequence_length)
-    return rollout(parts.generator, parts.envs, datums, sampling)
+                                  cfg.grpo.max_rollout_turns, cfg.policy.max_total_sequence_length,
+                                  chunk_size=cfg.policy.generation_batch_size)
+    return rollout(parts.generator, parts.envs, datums, sampling, chunk_size=cfg.policy.generation_batch_size)

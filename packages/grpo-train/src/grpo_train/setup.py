@@ -58,6 +58,10 @@ def check_supported(cfg: GRPOMasterConfig) -> list[str]:
     if gen.weight_transport == "ipc" and (cfg.cluster.gpus_per_node == 0 or not gen.colocated.enabled):
         raise StartupError("policy.generation.weight_transport: 'ipc' needs GPUs shared with the trainer "
                            "(colocated on GPUs); use 'collective' or 'object_store'")
+    res = gen.colocated.resources
+    if (res.gpus_per_node or res.num_nodes) and (gen.colocated.enabled or cfg.cluster.gpus_per_node == 0):
+        raise StartupError("policy.generation.colocated.resources: GPUs of generation's own apply only with "
+                           "policy.generation.colocated.enabled: false on GPUs (cluster.gpus_per_node > 0); set them to null")
     warnings = []
     policy = cfg.policy
     for name in ("sequence_packing", "dynamic_batching"):
@@ -68,6 +72,19 @@ def check_supported(cfg: GRPOMasterConfig) -> list[str]:
                 warnings.append(f"policy.{name}.{field}={budget} is below policy.max_total_sequence_length="
                                 f"{policy.max_total_sequence_length}: a longer sequence will stop training with an error")
     return warnings
+
+
+def check_plan(cfg: GRPOMasterConfig, model_path: str):
+    """The placement plan (grpo_train.plan) of the run, or a StartupError naming the keys to change."""
+    from grpo_train.plan import PlanError, make_plan
+
+    try:
+        plan = make_plan(cfg, model_path=model_path)
+    except PlanError as exc:
+        raise StartupError(str(exc)) from None
+    if plan.problems:
+        raise StartupError(f"placement plan (see `grpo plan`): {plan.problems[0]}")
+    return plan
 
 
 def init_ray(cluster_cfg, env_vars: dict[str, str]) -> None:
@@ -190,9 +207,19 @@ def build_envs(cfg: GRPOMasterConfig) -> dict:
     """env name -> EnvPool of Ray actors (the async collector calls the same actors)."""
     from grpo_envs.pool import EnvPool
 
-    return {name: EnvPool(name, env_cfg.model_dump(exclude={"num_workers", "step_timeout_s"}), num_workers=env_cfg.num_workers,
-                          step_timeout_s=env_cfg.step_timeout_s)
+    return {name: EnvPool(name, env_cfg.model_dump(exclude={"num_workers", "step_timeout_s", "resources"}),
+                          num_workers=env_cfg.num_workers, step_timeout_s=env_cfg.step_timeout_s,
+                          actor_options=env_actor_options(env_cfg.resources))
             for name, env_cfg in cfg.env.items()}
+
+
+def env_actor_options(resources: dict[str, float] | None) -> dict:
+    """Ray options of an environment actor from `env.<name>.resources` (CPU 1 unless given)."""
+    want = dict(resources or {})
+    options = {"num_cpus": want.pop("CPU", 1), "num_gpus": want.pop("GPU", 0)}
+    if want:
+        options["resources"] = want
+    return options
 
 
 def attach_generators(cfg: GRPOMasterConfig, policy, generator) -> None:
@@ -209,18 +236,12 @@ def attach_generators(cfg: GRPOMasterConfig, policy, generator) -> None:
         raise StartupError(str(exc)) from None
 
 
-def build_components(cfg: GRPOMasterConfig, model_path: str) -> Components:
-    from transformers import AutoTokenizer
-
+def start_generator(cfg: GRPOMasterConfig, model_path: str, policy):
+    """The generation engine(s) of the run, placed as the config says (grpo_train.plan prints where):
+    the async engine, or `place_generators`' engines (colocated in the policy's bundles, or separate)."""
     from grpo_train.generation.actor import place_generators
     from grpo_train.generation.group import GeneratorGroup
-    from grpo_train.policy.group import PolicyGroup
 
-    # The actors start first: the engine's start-up is the longest wait of a launch, and the
-    # tokenizer, the datasets and the environments are built meanwhile.
-    threads = threads_per_actor()
-    policy = PolicyGroup(model_path, cfg.policy, cfg.loss_fn, cfg.cluster, cfg.grpo.seed, num_threads=threads,
-                         colocated_generation=cfg.policy.generation.colocated.enabled, start=False)
     gen_cfg = cfg.policy.generation
     if gen_cfg.backend == "vllm":
         vllm = gen_cfg.vllm_cfg
@@ -236,13 +257,31 @@ def build_components(cfg: GRPOMasterConfig, model_path: str) -> Components:
 
         flags = cfg.grpo.async_grpo  # in-flight pushes that keep old KV cannot reset a prefix cache
         prefix_caching = not (flags.in_flight_weight_updates and not flags.recompute_kv_cache_after_weight_updates)
-        generator = make_async_generation_actor(model_path, num_cpus=1, prefix_caching=prefix_caching, **gen_kwargs)
+        # On GPUs the engine takes its tensor-parallel GPUs (from policy.generation.colocated.resources, which
+        # async GRPO requires to be separate); Ray then gives it those devices and no others.
+        gpus = vllm.tensor_parallel_size if cfg.cluster.gpus_per_node > 0 else 0
+        generator = make_async_generation_actor(model_path, num_cpus=1, num_gpus=gpus, prefix_caching=prefix_caching,
+                                                **gen_kwargs)
     else:
         resources = gen_cfg.colocated.resources
         engines = place_generators(gen_cfg.backend, model_path, gpus_per_node=cfg.cluster.gpus_per_node,
                                    colocated=gen_cfg.colocated.enabled, policy_placement_group=policy.placement_group,
                                    separate_gpus=(resources.gpus_per_node or 0) * (resources.num_nodes or 1), **gen_kwargs)
         generator = engines[0] if len(engines) == 1 else GeneratorGroup(engines)
+    return generator
+
+
+def build_components(cfg: GRPOMasterConfig, model_path: str) -> Components:
+    from transformers import AutoTokenizer
+
+    from grpo_train.policy.group import PolicyGroup
+
+    # The actors start first: the engine's start-up is the longest wait of a launch, and the
+    # tokenizer, the datasets and the environments are built meanwhile.
+    threads = threads_per_actor()
+    policy = PolicyGroup(model_path, cfg.policy, cfg.loss_fn, cfg.cluster, cfg.grpo.seed, num_threads=threads,
+                         colocated_generation=cfg.policy.generation.colocated.enabled, start=False)
+    generator = start_generator(cfg, model_path, policy)
     tokenizer_path = resolve_model_path(cfg.policy.tokenizer.name, "policy.tokenizer.name") if cfg.policy.tokenizer.name else model_path
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     train_sets, val_set = build_datasets(cfg, tokenizer)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ray
 
 from grpo_train.config.schema import GRPOMasterConfig
+from grpo_train.deadline import SaveDeadline
 from grpo_train.generation.base import SamplingSpec
 from grpo_train.rollout import rollout_batch
 from grpo_train.run_state import TrainerState, save_checkpoint
@@ -63,13 +64,14 @@ def run_validation(cfg: GRPOMasterConfig, parts, logger, step: int) -> dict[str,
 
 
 def validate_and_save(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: TrainerState, last: int,
-                      extra_workers: dict | None = None) -> None:
-    """The end of a step: validation when due, then a checkpoint when due (ranked by val metrics)."""
+                      extra_workers: dict | None = None, force_save: bool = False) -> None:
+    """The end of a step: validation when due, then a checkpoint when due (ranked by val metrics)
+    or forced (checkpointing.checkpoint_must_save_by)."""
     step = state.step
     val_metrics = {}
     if (cfg.grpo.val_period and step % cfg.grpo.val_period == 0) or (step == last and cfg.grpo.val_at_end):
         val_metrics = run_validation(cfg, parts, logger, step)
-    if checkpoints is not None and (step % cfg.checkpointing.save_period == 0 or step == last):
+    if checkpoints is not None and (step % cfg.checkpointing.save_period == 0 or step == last or force_save):
         ckpt_metrics = {f"val_{k}": v for k, v in val_metrics.items()} if val_metrics else None
         save_checkpoint(checkpoints, parts, state, ckpt_metrics, extra_workers)
 
@@ -92,6 +94,7 @@ def train_sync(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Trainer
     pad_id = parts.tokenizer.pad_token_id if parts.tokenizer.pad_token_id is not None else parts.tokenizer.eos_token_id
     if state.step == 0 and cfg.grpo.val_at_start:
         run_validation(cfg, parts, logger, step=0)
+    deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by)
     while state.step < last:
         step = state.step + 1
         timer = PhaseTimer()
@@ -121,6 +124,10 @@ def train_sync(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Trainer
         metrics |= result.env_metrics | sampling_metrics | timer.metrics()
         metrics["tokens_per_s"] = generated_tokens / max(result.generate_s, 1e-9)
         logger.log(metrics, step)
-        validate_and_save(cfg, parts, logger, checkpoints, state, last)
+        stop = deadline.step_done() and step < last
+        validate_and_save(cfg, parts, logger, checkpoints, state, last, force_save=stop)
+        if stop:
+            deadline.announce(step)
+            break
     return state
 

@@ -211,9 +211,10 @@ class IpcTransport:
         self.bucket_bytes = bucket_bytes
 
     def connect(self, policy, generators: list) -> None:
-        import torch
+        import ray
 
-        if not torch.cuda.is_available():
+        # Asked of the policy's rank, not the driver: a CPU-only head node drives GPU workers.
+        if ray.get(policy.collective_backend.remote()) != "nccl":
             raise RuntimeError("policy.generation.weight_transport: 'ipc' needs GPUs; use 'object_store' or 'collective' on CPU")
 
     def push(self, policy, generators: list, version: int, **options) -> None:

@@ -218,11 +218,38 @@ class DTensorConfig(Section):
     cpu_offload: bool = False
     """FSDP2 keeps parameters, gradients and optimizer state in CPU memory between uses (GPUs)."""
     sequence_parallel: bool = False
+    """Not implemented (needs tensor parallelism): only false is accepted."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of storing them (any device)."""
     tensor_parallel_size: int = Field(1, ge=1)
+    """Not implemented: only 1 is accepted (scale the policy with policy.num_workers, data parallel)."""
     context_parallel_size: int = Field(1, ge=1)
+    """Not implemented: only 1 is accepted."""
     custom_parallel_plan: str | None = None
+    """Not implemented (a tensor-parallel plan): only null is accepted."""
+
+    @field_validator("tensor_parallel_size", "context_parallel_size")
+    @classmethod
+    def _no_model_parallel(cls, value: int, info: ValidationInfo) -> int:
+        if value != 1:
+            kind = "tensor" if info.field_name == "tensor_parallel_size" else "context"
+            raise ValueError(f"{kind} parallelism of the policy is not implemented in this version; set 1 and scale "
+                             f"with policy.num_workers (data-parallel ranks, FSDP2-sharded on GPUs)")
+        return value
+
+    @field_validator("sequence_parallel")
+    @classmethod
+    def _no_sequence_parallel(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("sequence parallelism needs tensor parallelism, which this version does not implement; set false")
+        return value
+
+    @field_validator("custom_parallel_plan")
+    @classmethod
+    def _no_custom_plan(cls, value: str | None) -> str | None:
+        if value is not None:
+            raise ValueError("a custom (tensor-)parallel plan is not implemented in this version; set null")
+        return value
 
 
 class MicroBatchingConfig(Section):
@@ -265,10 +292,23 @@ class SchedulerEntry(Section):
 
 class VllmConfig(Section):
     async_engine: bool = False
+    """The async vLLM engine; it runs exactly when grpo.async_grpo.enabled, so true is accepted only
+    there (as in NeMo RL's async configs) and refused elsewhere."""
     precision: str = "float32"
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
+    """Not implemented: only 1 is accepted (use tensor_parallel_size with separate generation GPUs)."""
     expert_parallel_size: int = Field(1, ge=1)
+    """Not implemented: only 1 is accepted."""
+
+    @field_validator("pipeline_parallel_size", "expert_parallel_size")
+    @classmethod
+    def _no_pp_ep(cls, value: int, info: ValidationInfo) -> int:
+        if value != 1:
+            kind = "pipeline" if info.field_name == "pipeline_parallel_size" else "expert"
+            raise ValueError(f"{kind} parallelism of the vLLM engine is not implemented in this version; set 1 "
+                             f"(tensor_parallel_size splits an engine over GPUs when generation is not colocated)")
+        return value
     gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
     max_model_len: int = Field(512, ge=8)
     enforce_eager: bool = False
@@ -316,6 +356,9 @@ class PolicyConfig(Section):
     train_micro_batch_size: int = Field(4, ge=1)
     """Samples per forward/backward."""
     generation_batch_size: int = Field(32, ge=1)
+    """Prompts per generation call of the training rollout: a step's prompts are submitted in chunks of
+    this many (each expanded to grpo.num_generations_per_prompt samples; later turns of a multi-turn
+    rollout: this many conversations), one chunk after the other. Bounds what an engine holds at once."""
     logprob_batch_size: int = Field(4, ge=1)
     """Samples per forward when computing prev/ref logprobs."""
     max_total_sequence_length: int = Field(512, ge=8)
@@ -418,6 +461,9 @@ class EnvConfig(Section):
     step_timeout_s: float | None = Field(None, gt=0)
     """Wall-clock budget of one env call (a worker's chunk of a batch): a worker that overruns it
     is replaced and its chunk retried (EnvPool); null: no budget."""
+    resources: dict[str, float] | None = None
+    """Ray resources of each of its actors, e.g. {GPU: 1} for a reward model (CPU defaults to 1, other
+    names are custom Ray resources); null: one CPU. `grpo plan` shows where they land."""
 
 
 class WandbConfig(Section):
@@ -449,6 +495,9 @@ class ClusterConfig(Section):
     """Ray cluster address; null: RAY_ADDRESS or a local Ray."""
     num_cpus: int | None = None
     """CPUs the local Ray may use; null: all."""
+    gpu_memory_gb: float | None = Field(None, gt=0)
+    """Memory of each GPU: `grpo train` refuses a placement plan that does not fit it (grpo_train.plan;
+    `grpo plan` prints the plan); null: the plan's GPU count is checked, its memory is not."""
 
 
 class CheckpointingConfig(Section):
@@ -460,6 +509,39 @@ class CheckpointingConfig(Section):
     keep_top_k: int | None = Field(3, ge=1)
     save_period: int = Field(10, ge=1)
     checkpoint_must_save_by: str | None = None
+    """Time budget of the training loop, "DD:HH:MM:SS" or "HH:MM:SS" (NeMo RL's semantics: counted from
+    the start of the loop; a Slurm job's limit minus start-up). After each step, when the next step
+    (estimated as the longest step so far) would end past it, a checkpoint is saved and the run exits 0;
+    the same command resumes it. null: no budget."""
+
+    @field_validator("checkpoint_must_save_by")
+    @classmethod
+    def _duration(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_duration(value)
+        return value
+
+    @model_validator(mode="after")
+    def _deadline_saves(self) -> CheckpointingConfig:
+        if self.checkpoint_must_save_by is not None and not self.enabled:
+            raise ValueError("checkpoint_must_save_by saves a checkpoint before the budget ends; it needs "
+                             "checkpointing.enabled: true (or set checkpoint_must_save_by: null)")
+        return self
+
+
+def parse_duration(text: str) -> float:
+    """Seconds of "DD:HH:MM:SS", "HH:MM:SS" (or fewer fields: "MM:SS", "SS"); ValueError otherwise."""
+    parts = str(text).split(":")
+    try:
+        numbers = [float(p) for p in parts]
+    except ValueError:
+        numbers = []
+    if not 1 <= len(parts) <= 4 or len(numbers) != len(parts) or any(n < 0 for n in numbers):
+        raise ValueError(f"expected a duration \"DD:HH:MM:SS\" or \"HH:MM:SS\", got {text!r}")
+    seconds = 0.0
+    for unit, n in zip((86400, 3600, 60, 1)[-len(numbers):], numbers):
+        seconds += unit * n
+    return seconds
 
 
 # ----------------------------------------------------------------------- ppo and value
@@ -599,6 +681,9 @@ class GRPOMasterConfig(Section):
                 f"grpo.num_prompts_per_step * grpo.num_generations_per_prompt ({samples}) must be a multiple of "
                 f"policy.train_global_batch_size ({self.policy.train_global_batch_size})"
             )
+        if self.policy.generation.vllm_cfg.async_engine and not self.grpo.async_grpo.enabled:
+            raise ValueError("policy.generation.vllm_cfg.async_engine: the async engine runs only with async GRPO; set "
+                             "false, or set grpo.async_grpo.enabled: true")
         if self.grpo.async_grpo.enabled:
             if not self.loss_fn.use_importance_sampling_correction:
                 raise ValueError("grpo.async_grpo requires loss_fn.use_importance_sampling_correction: true")

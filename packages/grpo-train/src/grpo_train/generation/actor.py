@@ -15,6 +15,8 @@ import os
 from importlib import import_module
 from typing import Any
 
+from grpo_train.placement import actor_class
+
 BACKENDS = {
     "vllm": "grpo_train.generation.vllm_backend:VllmGenerator",
     "hf": "grpo_train.generation.hf_backend:HFGenerator",
@@ -114,7 +116,7 @@ def make_generation_actor(
     options = dict(actor_options or {})
     runtime_env = dict(options.pop("runtime_env", None) or {})
     runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **ACTOR_ENV}
-    remote_cls = ray.remote(GenerationActor)
+    remote_cls = actor_class(GenerationActor)
     return remote_cls.options(
         num_cpus=num_cpus, num_gpus=num_gpus, runtime_env=runtime_env, **options
     ).remote(backend, model_path, **kwargs)

@@ -44,6 +44,7 @@ from grpo_train.generation.base import (
     logprob_temperature,
     validate_score_inputs,
 )
+from grpo_train.placement import actor_class
 
 logger = logging.getLogger(__name__)
 
@@ -255,5 +256,5 @@ def make_async_generation_actor(model_path: str, num_cpus: float = 1, *, num_gpu
     import ray
 
     # The temperature change and a weight push may run while a batch decodes.
-    remote_cls = ray.remote(max_concurrency=16)(AsyncVllmGenerator)
+    remote_cls = actor_class(AsyncVllmGenerator, max_concurrency=16)
     return remote_cls.options(num_cpus=num_cpus, num_gpus=num_gpus).remote(model_path, **kwargs)

@@ -27,6 +27,7 @@ import torch
 from grpo_train.actor_group import RankGroup, combine_rank_metrics, remote_method, shard_steps, split_rows, take_rows
 from grpo_train.batch import batch_size
 from grpo_train.config.schema import ClusterConfig, LossConfig, PolicyConfig
+from grpo_train.placement import actor_class
 
 # Metrics of clipped_pg_loss that are min/max over ranks; rank-independent ones come from rank 0.
 _MIN_METRICS = ("ratio_min", "clipped_ratio_min")
@@ -85,7 +86,7 @@ class PolicyGroup(RankGroup):
         self.on_gpus = cluster.gpus_per_node > 0
         self.colocated_generation = colocated_generation and self.on_gpus
         gpus = (0.5 if self.colocated_generation else 1.0) if self.on_gpus else 0
-        actor = ray.remote(PolicyWorker)
+        actor = actor_class(PolicyWorker)
         self.workers = [
             actor.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.placement_group, placement_group_bundle_index=rank)).remote(

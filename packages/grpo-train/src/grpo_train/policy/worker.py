@@ -311,6 +311,11 @@ class PolicyWorker:
                                 world_size=self.world_size)
         if fsdp.uses_fsdp(self.cfg.dtensor_cfg, on_gpu, self.world_size):
             self._shard("cuda" if on_gpu else "cpu")
+        elif on_gpu:  # dtensor_cfg.enabled: false on GPUs: full replicas, each on its rank's GPU
+            device = torch.device("cuda", torch.cuda.current_device())
+            for model in (self.model, self.reference):
+                if model is not None:
+                    model.to(device)  # in place: the optimizer (no state yet) keeps the same parameters
         return self._sharded
 
     def _shard(self, device_type: str) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ray
 
 from grpo_train.config.schema import GRPOMasterConfig
+from grpo_train.deadline import SaveDeadline
 from grpo_train.ppo.ppo_step import PPOComponents, add_values_and_advantages, mean_over_epochs, prepare_ppo_batch
 from grpo_train.run_state import TrainerState
 from grpo_train.sync_loop import (collect_rollouts, record_rewards, run_validation, sampling_spec, step_seed, total_steps,
@@ -36,6 +37,7 @@ def train_ppo(cfg: GRPOMasterConfig, parts: PPOComponents, logger, checkpoints, 
     pad_id = parts.tokenizer.pad_token_id if parts.tokenizer.pad_token_id is not None else parts.tokenizer.eos_token_id
     if state.step == 0 and cfg.grpo.val_at_start:
         run_validation(cfg, parts, logger, step=0)
+    deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by)
     while state.step < last:
         step = state.step + 1
         timer = PhaseTimer()
@@ -70,5 +72,9 @@ def train_ppo(cfg: GRPOMasterConfig, parts: PPOComponents, logger, checkpoints, 
         metrics["tokens_per_s"] = generated_tokens / max(result.generate_s, 1e-9)
         metrics["policy_trained"] = float(train_policy)
         logger.log(metrics, step)
-        validate_and_save(cfg, parts, logger, checkpoints, state, last, parts.extra_workers)
+        stop = deadline.step_done() and step < last
+        validate_and_save(cfg, parts, logger, checkpoints, state, last, parts.extra_workers, force_save=stop)
+        if stop:
+            deadline.announce(step)
+            break
     return state

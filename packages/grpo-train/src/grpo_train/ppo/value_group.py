@@ -24,6 +24,7 @@ import torch
 from grpo_train.actor_group import RankGroup, combine_rank_metrics, remote_method, shard_steps, split_rows, take_rows
 from grpo_train.batch import batch_size
 from grpo_train.config.schema import ClusterConfig, ValueConfig, ValueLossConfig
+from grpo_train.placement import actor_class
 from grpo_train.policy.group import place_bundles, worker_bundles
 
 # Metrics that are the same on every rank (after the gradient all-reduce); the rest are partial
@@ -56,7 +57,7 @@ class ValueGroup(RankGroup):
         self.global_batch_size = global_batch_size
         self.placement_group = place_value_bundles(cluster, self.world_size)
         on_gpus = cluster.gpus_per_node > 0
-        actor = ray.remote(ValueWorker)
+        actor = actor_class(ValueWorker)
         self.workers = [
             actor.options(num_cpus=1, num_gpus=1 if on_gpus else 0, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.placement_group, placement_group_bundle_index=rank)).remote(

@@ -1,0 +1,316 @@
+"""The placement plan of a run, computed from its config alone: no model is loaded, no Ray started.
+
+`make_plan(cfg)` lists every actor a run starts (policy ranks, the reference each rank holds,
+generation engines incl. the async engine, value ranks, environment actors) with the node, the
+bundle and the GPU share it gets, and estimates what each GPU holds:
+
+    compute weights   params x bytes(policy.precision)
+    fp32 masters      params x 4, only when the compute dtype is not float32 (mixed precision)
+    gradients         params x 4 (fp32 gradient reduction)
+    optimizer state   params x 8 (AdamW: two fp32 moments)
+    reference         params x bytes(policy.precision), when loss_fn.reference_policy_kl_penalty > 0
+    engine            policy.generation.vllm_cfg.gpu_memory_utilization x the GPU (vLLM takes this share
+                      for its weights and KV cache; KV budget = that share - the engine's weights)
+
+The trainer's parts are divided by the data-parallel ranks when FSDP2 shards them (dtensor_cfg.enabled
+null or true on GPUs) and leave the GPU when dtensor_cfg.cpu_offload is true. Activations and the
+CUDA context are not estimated: a plan that fits with under 10% to spare says so.
+The model's size comes from its config.json (a local folder, a `builtin:` model, the local Hugging
+Face cache, or the table of known architectures in grpo_train/assets/model_configs), or from the
+tensor shapes in its safetensors headers when present. No torch import.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from grpo_train.config.schema import GRPOMasterConfig
+
+GB = 1e9
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+KNOWN_CONFIGS = Path(__file__).parent / "assets" / "model_configs"
+HEADROOM = 0.10
+
+
+class PlanError(ValueError):
+    """The plan cannot be made or does not fit; one line naming the keys to change."""
+
+
+# ------------------------------------------------------------------------------ model size
+def params_from_config(c: dict) -> int:
+    """Parameters of a decoder-only transformer (Llama/Qwen2/Mistral layout) from its config.json."""
+    h, layers, vocab, inter = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"], c["intermediate_size"]
+    heads = c["num_attention_heads"]
+    head_dim = c.get("head_dim") or h // heads
+    kv = c.get("num_key_value_heads") or heads
+    attn = h * heads * head_dim * 2 + h * kv * head_dim * 2
+    if c.get("attention_bias", c.get("model_type") == "qwen2"):  # Qwen2 has q/k/v biases
+        attn += heads * head_dim + 2 * kv * head_dim
+    per_layer = attn + 3 * h * inter + 2 * h
+    embed = vocab * h
+    head = 0 if c.get("tie_word_embeddings", False) else vocab * h
+    return embed + layers * per_layer + h + head
+
+
+def params_from_safetensors(folder: Path) -> int | None:
+    """Sum of tensor sizes in the folder's safetensors headers (the header only is read)."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return None
+    total = 0
+    for path in files:
+        with path.open("rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                n = 1
+                for dim in entry["shape"]:
+                    n *= dim
+                total += n
+    return total
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    params: int
+    source: str
+    """Where the size came from (config.json path, safetensors headers, or the known-architectures table)."""
+
+
+def _config_json(name: str) -> tuple[Path | None, Path | None]:
+    """(model folder or None, config.json or None) for `name`, without downloading anything."""
+    if name.startswith("builtin:"):
+        from grpo_train.assets import builtin_model_path
+
+        folder = builtin_model_path(name.removeprefix("builtin:"))
+        return folder, folder / "config.json"
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path, path / "config.json" if (path / "config.json").is_file() else None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(name, "config.json")
+        if isinstance(cached, str):
+            return Path(cached).parent, Path(cached)
+    except Exception:  # noqa: BLE001 - not a hub name: fall through to the table
+        pass
+    known = KNOWN_CONFIGS / f"{name.replace('/', '--')}.json"
+    return None, known if known.is_file() else None
+
+
+def model_size(name: str, key: str) -> ModelSize:
+    try:
+        folder, config = _config_json(name)
+    except ValueError as exc:
+        raise PlanError(f"{key}: {exc}") from None
+    if folder is not None and (n := params_from_safetensors(folder)):
+        return ModelSize(n, f"safetensors headers in {folder}")
+    if config is None:
+        known = ", ".join(p.stem.replace("--", "/") for p in sorted(KNOWN_CONFIGS.glob("*.json")))
+        raise PlanError(f"{key}: cannot size {name!r} without loading it: no local folder, no config.json in the "
+                        f"Hugging Face cache, not a known architecture ({known}); set {key} to a local folder")
+    return ModelSize(params_from_config(json.loads(config.read_text())), str(config))
+
+
+# ---------------------------------------------------------------------------------- plan
+@dataclass
+class Actor:
+    name: str
+    node: int | None  # None: wherever Ray puts it (CPU actors without a placement group)
+    bundle: str
+    gpu: float  # GPU share
+    device: int | None = None  # global GPU index (node * gpus_per_node + local)
+
+
+@dataclass
+class GpuLoad:
+    index: int
+    node: int
+    parts: dict[str, float] = field(default_factory=dict)  # name -> GB
+    role: str = "policy"
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+
+@dataclass
+class Plan:
+    actors: list[Actor]
+    gpus: list[GpuLoad]
+    gpu_memory_gb: float | None
+    model: ModelSize
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def render(self) -> str:
+        lines = [f"model: {self.model.params / 1e9:.3f} B parameters ({self.model.source})", "actors:"]
+        for a in self.actors:
+            where = "any node" if a.node is None else f"node {a.node}"
+            gpu = f"GPU {a.device} x {a.gpu:g}" if a.device is not None else "no GPU"
+            lines.append(f"  {a.name:<28} {where:<9} bundle {a.bundle:<26} {gpu}")
+        if self.gpus:
+            cap = f" of {self.gpu_memory_gb:g} GB" if self.gpu_memory_gb else ""
+            lines.append(f"memory per GPU (GB{cap}; activations and CUDA context not included):")
+            for g in self.gpus:
+                parts = ", ".join(f"{k} {v:.1f}" for k, v in g.parts.items()) or "idle"
+                lines.append(f"  GPU {g.index} (node {g.node}): {g.total:.1f} = {parts}")
+        lines += [f"note: {n}" for n in self.notes]
+        lines += [f"does not fit: {p}" for p in self.problems]
+        if not self.problems and self.gpus:
+            lines.append("fits")
+        return "\n".join(lines)
+
+
+def _placed(count: int, start: int, gpus_per_node: int) -> list[tuple[int, int]]:
+    """(node, global GPU index) of `count` one-GPU bundles packed node by node from GPU `start`."""
+    return [((start + i) // gpus_per_node, start + i) for i in range(count)]
+
+
+def make_plan(cfg: GRPOMasterConfig, gpu_memory_gb: float | None = None, model_path: str | None = None) -> Plan:
+    """The plan; `gpu_memory_gb` (default cluster.gpu_memory_gb) is each GPU's memory, None: no memory
+    check. `model_path`: the resolved local model folder when the caller has one."""
+    policy, gen, cluster = cfg.policy, cfg.policy.generation, cfg.cluster
+    gpu_memory_gb = gpu_memory_gb if gpu_memory_gb is not None else cluster.gpu_memory_gb
+    model = model_size(model_path or policy.model_name, "policy.model_name")
+    g = cluster.gpus_per_node
+    actors: list[Actor] = []
+    gpus = [GpuLoad(i, i // g) for i in range(g * cluster.num_nodes)] if g else []
+    P = model.params
+    b = DTYPE_BYTES[policy.precision]
+    workers = policy.num_workers
+    sharded = bool(g) and policy.dtensor_cfg.enabled is not False and workers > 1
+    div = workers if sharded else 1
+    kl = cfg.loss_fn.reference_policy_kl_penalty > 0
+    next_gpu = 0
+
+    # policy ranks (and the reference each holds)
+    ranks = _placed(workers, 0, g) if g else [(None, None)] * workers
+    next_gpu += workers if g else 0
+    for r, (node, dev) in enumerate(ranks):
+        bundle = f"policy[{r}] {{GPU:1,CPU:1}}" if g else f"policy[{r}] {{CPU:1}}"
+        actors.append(Actor(f"policy rank {r}", node, bundle, 1.0 if g else 0.0, dev))
+        if kl:
+            actors.append(Actor(f"  reference (in rank {r})", node, bundle, 0.0, dev))
+        if g:
+            _trainer_memory(gpus[dev], P, b, div, kl, policy.dtensor_cfg.cpu_offload)
+
+    # generation engines
+    vllm = gen.vllm_cfg
+    engine_weights = P * DTYPE_BYTES.get(vllm.precision, 4) / GB if gen.backend == "vllm" else P * b / GB
+    tp = vllm.tensor_parallel_size if gen.backend == "vllm" else 1
+    res = gen.colocated.resources
+    separate = (res.gpus_per_node or 0) * (res.num_nodes or 1)
+    if not g:
+        name = "async engine" if cfg.grpo.async_grpo.enabled else "engine 0"
+        actors.append(Actor(name, None, "{CPU:1}", 0.0))
+    elif gen.colocated.enabled:
+        for r, (node, dev) in enumerate(ranks):
+            actors.append(Actor(f"engine {r} (colocated)", node, f"policy[{r}] (shared)", 0.5, dev))
+            _engine_memory(gpus[dev], gen.backend, vllm.gpu_memory_utilization, engine_weights, 1, gpu_memory_gb)
+    else:
+        engines = separate // tp if separate else 0
+        label = "async engine" if cfg.grpo.async_grpo.enabled else "engine"
+        for e in range(engines):
+            devs = _placed(tp, next_gpu + e * tp, g)
+            for node, dev in devs:
+                _engine_memory(gpus[dev] if dev < len(gpus) else None, gen.backend, vllm.gpu_memory_utilization,
+                               engine_weights, tp, gpu_memory_gb)
+            actors.append(Actor(f"{label} {e}" if engines > 1 else label, devs[0][0], f"generation[{e}] {{GPU:{tp},CPU:1}}",
+                                float(tp), devs[0][1]))
+        next_gpu += engines * tp
+
+    # value ranks (PPO)
+    if cfg.value is not None:
+        vb = DTYPE_BYTES[cfg.value.precision]
+        for r in range(cfg.value.num_workers):
+            node, dev = ((next_gpu + r) // g, next_gpu + r) if g else (None, None)
+            actors.append(Actor(f"value rank {r}", node, f"value[{r}] {{GPU:1,CPU:1}}" if g else f"value[{r}] {{CPU:1}}",
+                                1.0 if g else 0.0, dev))
+            if g and dev < len(gpus):
+                gpus[dev].role = "value"
+                _trainer_memory(gpus[dev], P, vb, 1, False, False)  # value ranks hold full replicas
+        next_gpu += cfg.value.num_workers if g else 0
+
+    # environments
+    for name, env in cfg.env.items():
+        want = env.resources or {}
+        env_gpus = float(want.get("GPU", 0))
+        for w in range(env.num_workers):
+            dev = None
+            if env_gpus and g:
+                dev = next_gpu
+                next_gpu += 1
+            actors.append(Actor(f"env {name} [{w}]", None if dev is None else dev // g,
+                                "{" + ",".join(f"{k}:{v:g}" for k, v in {"CPU": want.get("CPU", 1), **want}.items()) + "}",
+                                env_gpus, dev))
+
+    plan = Plan(actors, gpus, gpu_memory_gb if g else None, model)
+    _check(cfg, plan, next_gpu)
+    return plan
+
+
+def _trainer_memory(load: GpuLoad, P: int, b: int, div: int, reference: bool, offload: bool) -> None:
+    if offload:  # FSDP2 keeps parameters, gradients and optimizer state on the host between uses
+        load.parts["compute weights (gathered per layer)"] = 0.0
+        return
+    load.parts["compute weights"] = load.parts.get("compute weights", 0) + P * b / div / GB
+    if b != 4:
+        load.parts["fp32 masters"] = load.parts.get("fp32 masters", 0) + P * 4 / div / GB
+    load.parts["gradients"] = load.parts.get("gradients", 0) + P * 4 / div / GB
+    load.parts["optimizer"] = load.parts.get("optimizer", 0) + P * 8 / div / GB
+    if reference:
+        load.parts["reference"] = P * b / div / GB
+
+
+def _engine_memory(load: GpuLoad | None, backend: str, util: float, weights_gb: float, tp: int,
+                   gpu_memory_gb: float | None) -> None:
+    if load is None or not gpu_memory_gb:
+        return
+    if backend == "vllm":
+        share = util * gpu_memory_gb
+        load.parts["engine weights"] = weights_gb / tp
+        load.parts["engine KV cache"] = share - weights_gb / tp
+    else:
+        load.parts["engine weights"] = weights_gb
+
+
+def _check(cfg: GRPOMasterConfig, plan: Plan, gpus_wanted: int) -> None:
+    g, have = cfg.cluster.gpus_per_node, cfg.cluster.gpus_per_node * cfg.cluster.num_nodes
+    if not g:
+        plan.notes.append("CPU cluster: no GPU memory to check (engines use policy.generation.vllm_cfg.kv_cache_space_gb "
+                          "of host memory)")
+        return
+    if gpus_wanted > have:
+        plan.problems.append(f"the actors want {gpus_wanted} GPUs but cluster.gpus_per_node * cluster.num_nodes = {have}; "
+                             f"lower policy.num_workers, value.num_workers, policy.generation.colocated.resources or "
+                             f"env.<name>.resources, or raise cluster.gpus_per_node / cluster.num_nodes")
+    if not plan.gpu_memory_gb:
+        plan.notes.append("GPU memory not checked: set cluster.gpu_memory_gb (or `grpo plan --gpu-memory-gb`)")
+        return
+    util = cfg.policy.generation.vllm_cfg.gpu_memory_utilization
+    for load in plan.gpus:
+        kv = load.parts.get("engine KV cache")
+        if kv is not None and kv <= 0:
+            plan.problems.append(f"GPU {load.index}: policy.generation.vllm_cfg.gpu_memory_utilization={util:g} "
+                                 f"({util * plan.gpu_memory_gb:.1f} GB) leaves no KV cache beside the engine's weights "
+                                 f"({load.parts['engine weights']:.1f} GB); raise it")
+        if load.total > plan.gpu_memory_gb and load.role == "value":
+            plan.problems.append(f"GPU {load.index} (value rank) needs {load.total:.1f} GB of {plan.gpu_memory_gb:g} GB; "
+                                 f"change value.num_workers (more ranks shard the value model's state) or value.precision")
+        elif load.total > plan.gpu_memory_gb:
+            trainer = load.total - load.parts.get("engine weights", 0) - max(kv or 0, 0)
+            plan.problems.append(
+                f"GPU {load.index} needs {load.total:.1f} GB (trainer {trainer:.1f} + engine "
+                f"{load.total - trainer:.1f}) of {plan.gpu_memory_gb:g} GB; change policy.num_workers (FSDP2 shards "
+                f"the trainer's state over ranks), policy.dtensor_cfg.cpu_offload: true, "
+                f"policy.generation.vllm_cfg.gpu_memory_utilization, loss_fn.reference_policy_kl_penalty: 0 (no "
+                f"reference) or policy.generation.colocated.enabled: false")
+        elif load.total > (1 - HEADROOM) * plan.gpu_memory_gb:
+            plan.notes.append(f"GPU {load.index}: {load.total:.1f} of {plan.gpu_memory_gb:g} GB leaves under "
+                              f"{HEADROOM:.0%} for activations and the CUDA context")
