@@ -103,3 +103,11 @@ def test_gdpo_reads_the_environments_reward_components():
     rollouts[3].env_metadata = {"reward_components": {"format": 1}}
     with pytest.raises(ValueError, match="sample 3: reward_components"):
         add_advantages(c, rollouts, with_logprobs(prepare_batch(c, rollouts, pad_id=0)[0]))
+
+
+def test_kl_in_reward_refuses_the_loss_only_kl_options():
+    from grpo_train.config import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        cfg(group=2, loss_fn={"use_kl_in_reward": True, "use_on_policy_kl_approximation": True})
+    assert info.value.key == "loss_fn.use_kl_in_reward"

@@ -288,6 +288,9 @@ class LossConfig(Section):
         if on and info.data.get("reference_policy_kl_penalty") == 0:
             raise ValueError("the in-reward KL coefficient is loss_fn.reference_policy_kl_penalty, which is 0; "
                              "set it > 0 or turn use_kl_in_reward off")
+        if on and info.data.get("use_on_policy_kl_approximation"):
+            raise ValueError("use_on_policy_kl_approximation weights the loss's KL term, which use_kl_in_reward "
+                             "turns off; set one of them")
         return on
 
     @property
