@@ -136,7 +136,8 @@ def test_builtin_ppo_configs_are_listed_and_valid():
     ("ppo_math_1B.yaml", "ppo.adv_estimator.name=rloo", "ppo.adv_estimator.name: 'rloo' is group-relative; use GRPO"),
     ("grpo_math_1B.yaml", "+value.precision=float32", "value: only PPO has a value model; add a `ppo:` section"),
     ("ppo_arith_tiny.yaml", "value.train_global_batch_size=96", "must be a multiple of value.train_global_batch_size (96)"),
-    ("ppo_math_1B.yaml", "ppo.use_kl_in_reward=true", "ppo.use_kl_in_reward needs the reference policy"),
+    ("ppo_math_1B.yaml", "loss_fn.use_kl_in_reward=true", "loss_fn.use_kl_in_reward: the in-reward KL coefficient is "
+     "loss_fn.reference_policy_kl_penalty, which is 0"),
     ("ppo_arith_tiny.yaml", "grpo.use_dynamic_sampling=true grpo.num_generations_per_prompt=1",
      "needs grpo.num_generations_per_prompt >= 2"),
 ])

@@ -93,3 +93,24 @@ def test_reward_scaling_and_shaping_by_hand():
 def test_groups_with_signal():
     sig = groups_with_signal(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5]), 2)
     assert sig.keep.tolist() == [False, True, False] and sig.num_kept == 1
+
+
+def test_stop_properly_replaces_the_dapo_penalty_instead_of_scaling_it():
+    # DAPO alone: L_exp = 6; the truncated L = 10 gets 1 - (4/4) * 1.6 = -0.6
+    dapo = RewardShapingConfig(enabled=True, max_response_length=10, overlong_buffer_length=4, overlong_buffer_penalty=1.6)
+    lengths, truncated = torch.tensor([5, 10]), torch.tensor([False, True])
+    torch.testing.assert_close(shape_rewards(torch.tensor([1.0, 1.0]), lengths, truncated, dapo), torch.tensor([1.0, -0.6]))
+    # With the coefficient the raw reward is scaled (1 * 0.5), not the penalised one (-0.6 * 0.5 = -0.3, a raise)
+    stop = dapo.model_copy(update={"stop_properly_penalty_coef": 0.5})
+    torch.testing.assert_close(shape_rewards(torch.tensor([1.0, 1.0]), lengths, truncated, stop), torch.tensor([1.0, 0.5]))
+    zero = dapo.model_copy(update={"stop_properly_penalty_coef": 0.0})
+    torch.testing.assert_close(shape_rewards(torch.tensor([1.0, 1.0]), lengths, truncated, zero), torch.tensor([1.0, 0.0]))
+
+
+@pytest.mark.parametrize("coef", [-0.1, 1.5])
+def test_stop_properly_coefficient_outside_0_1_is_refused_at_its_key(coef):
+    from grpo_train.config import ConfigError, validate_config_dict
+
+    with pytest.raises(ConfigError) as info:
+        validate_config_dict({"grpo": {"reward_shaping": {"enabled": True, "stop_properly_penalty_coef": coef}}})
+    assert info.value.key == "grpo.reward_shaping.stop_properly_penalty_coef"

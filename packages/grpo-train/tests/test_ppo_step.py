@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from grpo_train.batch import Rollout
@@ -35,12 +37,33 @@ def test_batch_has_scaled_scores_and_filters_truncated_samples():
 
 
 def test_token_rewards_put_the_score_last_and_subtract_the_kl_per_token():
-    c = cfg(ppo={"use_kl_in_reward": True, "kl_in_reward_coef": 0.1}, loss_fn={"reference_policy_kl_penalty": 0.01})
+    # beta = 0.1 with k3: logr = ref - prev = -1 -> k3 = e^-1 - 1 + 1 = e^-1 per token
+    c = cfg(loss_fn={"use_kl_in_reward": True, "reference_policy_kl_penalty": 0.1, "reference_policy_kl_type": "k3"})
     batch, _ = prepare_ppo_batch(c, rollouts()[:2], pad_id=0)
     batch["prev_logprobs"] = -0.5 * batch["token_mask"]
-    batch["ref_logprobs"] = -1.5 * batch["token_mask"]  # prev - ref = 1 on every response token
+    batch["ref_logprobs"] = -1.5 * batch["token_mask"]
+    k = 0.1 * math.exp(-1)
     rewards = token_rewards(c, batch)
-    torch.testing.assert_close(rewards[0], torch.tensor([0.0, 0.0, -0.1, 0.9, 0.0, 0.0]))
-    torch.testing.assert_close(rewards[1], torch.tensor([0.0, 0.0, -0.1, -0.1, -0.1, -1.1]))
+    torch.testing.assert_close(rewards[0], torch.tensor([0.0, 0.0, -k, 1 - k, 0.0, 0.0]))
+    torch.testing.assert_close(rewards[1], torch.tensor([0.0, 0.0, -k, -k, -k, -1 - k]))
+    k1 = cfg(loss_fn={"use_kl_in_reward": True, "reference_policy_kl_penalty": 0.1, "reference_policy_kl_type": "k1"})
+    torch.testing.assert_close(token_rewards(k1, batch)[0], torch.tensor([0.0, 0.0, -0.1, 0.9, 0.0, 0.0]))
     without = token_rewards(cfg(), batch)
     assert without[1].tolist() == [0.0, 0.0, 0.0, 0.0, 0.0, -1.0]
+
+
+def test_kl_in_reward_turns_the_losss_kl_term_off():
+    from grpo_train.policy.worker import pg_loss_config
+
+    c = cfg(loss_fn={"use_kl_in_reward": True, "reference_policy_kl_penalty": 0.1})
+    assert pg_loss_config(c.loss_fn).reference_policy_kl_penalty == 0.0  # not applied twice
+    assert c.loss_fn.reference_policy_kl_penalty == 0.1  # the reference is still loaded for the reward
+
+
+def test_old_ppo_kl_keys_are_refused_with_the_new_key():
+    import pytest
+
+    from grpo_train.config import ConfigError
+
+    with pytest.raises(ConfigError, match="loss_fn.use_kl_in_reward"):
+        cfg(ppo={"use_kl_in_reward": True, "kl_in_reward_coef": 0.1})

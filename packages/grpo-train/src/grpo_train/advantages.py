@@ -24,15 +24,19 @@ def scale_rewards(rewards: torch.Tensor, cfg: RewardScalingConfig) -> torch.Tens
 
 
 def shape_rewards(rewards: torch.Tensor, response_lengths: torch.Tensor, truncated: torch.Tensor, cfg: RewardShapingConfig) -> torch.Tensor:
-    """DAPO overlong penalty; optionally multiply rewards of truncated samples by a coefficient."""
+    """DAPO overlong penalty, or "stop properly" instead of it: r * coef for truncated samples.
+
+    The two are alternatives (shared/GRPO-MATH.md): with stop_properly_penalty_coef set the DAPO
+    penalty is not applied, so the coefficient scales the raw (scaled) reward, never an already
+    penalised one (0.5 * -0.6 would *raise* a penalised reward).
+    """
     if not cfg.enabled:
         return rewards
+    if cfg.stop_properly_penalty_coef is not None:
+        return torch.where(truncated, rewards * cfg.stop_properly_penalty_coef, rewards)
     expected = cfg.max_response_length - cfg.overlong_buffer_length
     over = (response_lengths.to(rewards.dtype) - expected) / cfg.overlong_buffer_length
-    shaped = rewards + torch.clamp(-over * cfg.overlong_buffer_penalty, max=0.0)
-    if cfg.stop_properly_penalty_coef is not None:
-        shaped = torch.where(truncated, shaped * cfg.stop_properly_penalty_coef, shaped)
-    return shaped
+    return rewards + torch.clamp(-over * cfg.overlong_buffer_penalty, max=0.0)
 
 
 def group_baseline_and_std(rewards: torch.Tensor, valid: torch.Tensor, group_size: int, leave_one_out: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,22 +64,37 @@ def group_baseline_and_std(rewards: torch.Tensor, valid: torch.Tensor, group_siz
     return mean.view(-1).to(rewards.dtype), std.view(-1).to(rewards.dtype)
 
 
-def compute_advantages(rewards: torch.Tensor, valid: torch.Tensor, group_size: int, cfg: GRPOConfig) -> torch.Tensor:
+def group_relative(rewards: torch.Tensor, valid: torch.Tensor, group_size: int, normalize: bool,
+                   leave_one_out: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """A_i = r_i - b_i, divided by (std_i + 1e-6) where normalising and std_i > 0; [B] -> [B].
 
-    Invalid samples and samples of groups with at most one valid sample get advantage 0.
+    Returns (advantages, kept [B] bool). Invalid samples and samples of groups with at most one
+    valid sample are not kept and get advantage 0.
     """
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     valid = valid.bool()
-    baseline, std = group_baseline_and_std(rewards, valid, group_size, cfg.use_leave_one_out_baseline)
+    baseline, std = group_baseline_and_std(rewards, valid, group_size, leave_one_out)
     adv = rewards - baseline
-    if cfg.normalize_rewards:
+    if normalize:
         adv = torch.where(std > 0, adv / (std + STD_EPS), adv)
+    group_valid = valid.view(-1, group_size).sum(dim=1, keepdim=True).expand(-1, group_size).reshape(-1)
+    kept = valid & (group_valid > 1)
+    return torch.where(kept, adv, torch.zeros_like(adv)), kept
+
+
+def clip_advantages(adv: torch.Tensor, kept: torch.Tensor, cfg: GRPOConfig) -> torch.Tensor:
+    """Optional clamp to [advantage_clip_low, advantage_clip_high]; 0 where not kept. adv [B] or [B, S], kept [B]."""
     if cfg.advantage_clip_low is not None or cfg.advantage_clip_high is not None:
         adv = adv.clamp(cfg.advantage_clip_low, cfg.advantage_clip_high)
-    group_valid = valid.view(-1, group_size).sum(dim=1, keepdim=True).expand(-1, group_size).reshape(-1)
-    return torch.where(valid & (group_valid > 1), adv, torch.zeros_like(adv))
+    kept = kept.view(-1, *([1] * (adv.dim() - 1)))
+    return torch.where(kept, adv, torch.zeros_like(adv))
+
+
+def compute_advantages(rewards: torch.Tensor, valid: torch.Tensor, group_size: int, cfg: GRPOConfig) -> torch.Tensor:
+    """The GRPO estimator per sample, [B] -> [B], clipped (grpo_train.group_estimators has them all)."""
+    adv, kept = group_relative(rewards, valid, group_size, cfg.normalize_group_rewards, cfg.leave_one_out)
+    return clip_advantages(adv, kept, cfg)
 
 
 @dataclass

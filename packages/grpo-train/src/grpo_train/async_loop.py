@@ -27,7 +27,7 @@ from grpo_train.deadline import SaveDeadline
 from grpo_train.replay_buffer import GroupEntry, make_replay_buffer_actor
 from grpo_train.run_state import TrainerState, save_checkpoint
 from grpo_train.sync_loop import run_validation, total_steps
-from grpo_train.train_step import PhaseTimer, add_logprobs, check_refit, prepare_batch
+from grpo_train.train_step import PhaseTimer, add_advantages, add_logprobs, check_refit, prepare_batch
 
 POLL_S = 0.02  # how often the trainer looks into the buffer while it waits for groups
 BUFFER_FILE, COLLECTOR_FILE = "replay_buffer", "collector"  # checkpoint state files (state_io), beside "dataloader"
@@ -55,6 +55,7 @@ def train_async(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Traine
             batch, metrics = prepare_batch(cfg, rollouts, pad_id)
             with timer("logprob"):
                 add_logprobs(cfg, parts.policy, batch)
+            metrics |= add_advantages(cfg, rollouts, batch)
             with timer("train"):
                 metrics |= ray.get(parts.policy.train.remote(batch))
             with timer("refit"):

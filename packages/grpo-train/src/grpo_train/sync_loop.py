@@ -14,7 +14,7 @@ from grpo_train.deadline import SaveDeadline
 from grpo_train.generation.base import SamplingSpec
 from grpo_train.rollout import rollout_batch
 from grpo_train.run_state import TrainerState, save_checkpoint
-from grpo_train.train_step import PhaseTimer, add_logprobs, check_refit, prepare_batch, push_weights
+from grpo_train.train_step import PhaseTimer, add_advantages, add_logprobs, check_refit, prepare_batch, push_weights
 from grpo_train.validation import validate
 
 # Distinct seeds per step so a resumed run samples exactly what the uninterrupted run sampled.
@@ -107,6 +107,7 @@ def train_sync(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Trainer
         batch, metrics = prepare_batch(cfg, result.rollouts, pad_id)
         with timer("logprob"):
             add_logprobs(cfg, parts.policy, batch)
+        metrics |= add_advantages(cfg, result.rollouts, batch)
         with timer("train"):
             metrics |= ray.get(parts.policy.train.remote(batch))
         with timer("refit"):

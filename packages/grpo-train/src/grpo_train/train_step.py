@@ -12,13 +12,19 @@ import ray
 import torch
 
 from grpo_train import weight_sync
-from grpo_train.advantages import compute_advantages, groups_with_signal, scale_rewards, shape_rewards
+from grpo_train.advantages import groups_with_signal, scale_rewards, shape_rewards
 from grpo_train.batch import Rollout, build_train_batch
 from grpo_train.config.schema import GRPOMasterConfig
+from grpo_train.group_estimators import GroupBatch, estimate_advantages, kl_in_reward
 
 
 def prepare_batch(cfg: GRPOMasterConfig, rollouts: list[Rollout], pad_id: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """Rewards -> (scaled, shaped) -> advantages -> [B, S] tensors, plus reward metrics."""
+    """Rewards -> (scaled, shaped) -> [B, S] tensors, plus reward metrics; advantages come in
+    `add_advantages`, after the logprobs (the in-reward KL and the logprob-error mask need them).
+
+    `sample_mask` already has overlong filtering applied; the baseline of `add_advantages` still
+    counts the truncated samples (shared/GRPO-MATH.md, 6).
+    """
     n = cfg.grpo.num_generations_per_prompt
     rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
     lengths = torch.tensor([len(r.response_ids) for r in rollouts])
@@ -27,22 +33,84 @@ def prepare_batch(cfg: GRPOMasterConfig, rollouts: list[Rollout], pad_id: int) -
     sample_mask = torch.tensor([r.loss_multiplier for r in rollouts], dtype=torch.float32)
     if cfg.grpo.overlong_filtering:
         sample_mask = sample_mask * (~truncated).float()
-    advantages = compute_advantages(shaped, sample_mask > 0, n, cfg.grpo)
-    batch = build_train_batch(rollouts, advantages, sample_mask, pad_id, cfg.policy.make_sequence_length_divisible_by)
+    batch = build_train_batch(rollouts, torch.zeros(len(rollouts)), sample_mask, pad_id,
+                              cfg.policy.make_sequence_length_divisible_by)
+    batch["scores"] = shaped  # [B] reward after scaling and shaping
     signal = groups_with_signal(shaped, n)
     metrics = {
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()) if len(rollouts) > 1 else 0.0,
         "accuracy": float((rewards > 0).float().mean()),
         "shaped_reward_mean": float(shaped.mean()),
-        "advantage_abs_mean": float(advantages.abs().mean()),
         "response_length": float(lengths.float().mean()),
         "truncated_fraction": float(truncated.float().mean()),
         "groups_with_signal": signal.num_kept / max(signal.keep.numel(), 1),
         "num_samples": float(len(rollouts)),
-        "masked_samples": float((sample_mask == 0).sum()),
     }
     return batch, metrics
+
+
+def reward_components(rollouts: list[Rollout]) -> torch.Tensor:
+    """[B, K] the environments' per-sample reward components (metadata 'reward_components', a
+    name -> value dict), columns in sorted-name order; every sample must name the same components."""
+    names = sorted((rollouts[0].env_metadata.get("reward_components") or {}).keys())
+    rows = []
+    for i, r in enumerate(rollouts):
+        comp = r.env_metadata.get("reward_components") or {}
+        if sorted(comp) != names:
+            raise ValueError(f"sample {i}: reward_components {sorted(comp)} differ from sample 0's {names} "
+                             f"(grpo.adv_estimator.name 'gdpo' needs the same components on every sample)")
+        rows.append([float(comp[k]) for k in names])
+    return torch.tensor(rows, dtype=torch.float32).view(len(rollouts), len(names))
+
+
+def add_advantages(cfg: GRPOMasterConfig, rollouts: list[Rollout], batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The estimator's [B, S] advantages into `batch` (after `add_logprobs`), then the logprob-error
+    mask; returns their metrics. Masks set after the advantages (overlong filtering, logprob error)
+    keep a sample in its group's baseline and only zero its loss."""
+    baseline_mask = torch.tensor([r.loss_multiplier for r in rollouts], dtype=torch.float32)  # [B]
+    components = reward_components(rollouts) if cfg.grpo.adv_estimator.name == "gdpo" else None  # [B, K]
+    loss = cfg.loss_fn
+    kl = None
+    if loss.use_kl_in_reward:
+        kl = kl_in_reward(batch["prev_logprobs"], batch["ref_logprobs"], batch["token_mask"],
+                          loss.reference_policy_kl_penalty, loss.reference_policy_kl_type,
+                          loss.kl_input_clamp_value, loss.kl_output_clamp_value)
+    x = GroupBatch(rewards=batch["scores"], valid=baseline_mask > 0, token_mask=batch["token_mask"],
+                   group_size=cfg.grpo.num_generations_per_prompt, components=components, kl_penalty=kl)
+    batch["advantages"] = estimate_advantages(cfg.grpo, x)
+    mask = batch["token_mask"]
+    metrics = {"advantage_abs_mean": float((batch["advantages"].abs() * mask).sum() / mask.sum().clamp(min=1))}
+    if kl is not None:
+        metrics["reward_kl_penalty"] = float(kl.sum() / mask.sum().clamp(min=1))
+    metrics |= mask_by_logprob_error(cfg, batch)
+    metrics["masked_samples"] = float((batch["sample_mask"] == 0).sum())
+    return metrics
+
+
+def seq_mult_prob_error(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[B] per sequence: masked mean over response tokens of exp(|prev - gen|) (the step's
+    token_mult_prob_error, per sequence; 1.0 = trainer and generator agree). 1.0 for a row
+    without response tokens."""
+    m = batch["token_mask"]
+    err = torch.exp((batch["prev_logprobs"] - batch["gen_logprobs"]).abs() * m) * m
+    n = m.sum(dim=1)
+    return torch.where(n > 0, err.sum(dim=1) / n.clamp(min=1), torch.ones_like(n))
+
+
+def mask_by_logprob_error(cfg: GRPOMasterConfig, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    """grpo.seq_logprob_error_threshold: sample_mask 0 for sequences whose seq_mult_prob_error
+    exceeds it (NeMo RL's definition); the max error is logged either way."""
+    err = seq_mult_prob_error(batch)
+    metrics = {"max_seq_mult_prob_error": float(err.max()) if err.numel() else 1.0}
+    threshold = cfg.grpo.seq_logprob_error_threshold
+    if threshold is None:
+        return metrics
+    was = batch["sample_mask"] > 0
+    drop = was & (err > threshold)
+    batch["sample_mask"] = torch.where(drop, torch.zeros_like(batch["sample_mask"]), batch["sample_mask"])
+    metrics["num_masked_seqs_by_logprob_error"] = float(drop.sum())
+    return metrics
 
 
 def add_logprobs(cfg: GRPOMasterConfig, policy, batch: dict[str, torch.Tensor]) -> None:

@@ -27,8 +27,17 @@ class RewardShapingConfig(Section):
     """Penalty reached at max_response_length."""
     max_response_length: int = Field(512, ge=1)
     """Length the penalty is measured against (usually policy.generation.max_new_tokens)."""
-    stop_properly_penalty_coef: float | None = None
-    """If set, rewards of truncated responses are multiplied by this coefficient."""
+    stop_properly_penalty_coef: float | None = Field(None, ge=0, le=1)
+    """"Stop properly" shaping, used *instead of* the DAPO overlong penalty when set: the (scaled)
+    reward of a truncated response is multiplied by this coefficient in [0, 1]; the overlong_buffer_*
+    keys then do nothing to the reward. null: DAPO overlong shaping."""
+
+    @model_validator(mode="after")
+    def _coef_needs_enabled(self) -> RewardShapingConfig:
+        if self.stop_properly_penalty_coef is not None and not self.enabled:
+            raise ValueError("stop_properly_penalty_coef is set but reward_shaping.enabled is false; "
+                             "set enabled: true or remove the coefficient")
+        return self
 
 
 class RewardScalingConfig(Section):
@@ -68,6 +77,39 @@ class RefitCheckConfig(Section):
     """Check every this many refits."""
 
 
+GroupEstimatorName = Literal["grpo", "gdpo", "reinforce_plus_plus"]
+ESTIMATOR_KEYS = {"grpo": {"normalize_rewards", "use_leave_one_out_baseline"},
+                  "gdpo": {"normalize_rewards", "use_leave_one_out_baseline", "reward_weights"},
+                  "reinforce_plus_plus": {"minus_baseline"}}
+"""The adv_estimator keys each estimator reads; the others are refused."""
+
+
+class GroupAdvEstimatorConfig(Section):
+    """`grpo.adv_estimator`: how rewards become advantages (NeMo RL's keys; grpo_train.group_estimators).
+    A key that the chosen estimator does not use is refused."""
+
+    name: GroupEstimatorName = "grpo"
+    """grpo: group baseline (and std); gdpo: group-normalise each reward component, sum, then
+    normalise over the batch; reinforce_plus_plus: REINFORCE++ global whitening over the batch's tokens."""
+    normalize_rewards: bool | None = None
+    """grpo / gdpo: divide by the group std; null: grpo.normalize_rewards."""
+    use_leave_one_out_baseline: bool | None = None
+    """grpo / gdpo: RLOO baseline and std; null: grpo.use_leave_one_out_baseline."""
+    minus_baseline: bool | None = None
+    """reinforce_plus_plus: subtract the group mean first (REINFORCE++-baseline); null: true."""
+    reward_weights: list[float] | None = None
+    """gdpo: weight per reward component, in the sorted order of component names; null: all 1."""
+
+    @field_validator("normalize_rewards", "use_leave_one_out_baseline", "minus_baseline", "reward_weights")
+    @classmethod
+    def _keys_of_the_estimator(cls, value: Any, info: ValidationInfo) -> Any:
+        name = info.data.get("name")
+        used = ESTIMATOR_KEYS.get(name, set())
+        if value is not None and name is not None and info.field_name not in used:
+            raise ValueError(f"does not apply to adv_estimator.name {name!r} (it uses {sorted(used)}); remove it")
+        return value
+
+
 class GRPOConfig(Section):
     num_prompts_per_step: int = Field(32, ge=1)
     """Prompts drawn per GRPO step."""
@@ -88,7 +130,12 @@ class GRPOConfig(Section):
     advantage_clip_high: float | None = None
     """Optional upper clamp of advantages."""
     overlong_filtering: bool = False
-    """Truncated samples get sample_mask 0 (no gradient)."""
+    """Truncated samples get sample_mask 0 (no gradient) after the advantages are computed: they
+    stay in their group's baseline and std."""
+    seq_logprob_error_threshold: float | None = Field(None, ge=1.0)
+    """Drop (sample_mask 0, after the advantages) sequences whose masked mean of
+    exp(|prev - gen|) over their response tokens exceeds this (NeMo RL's seq_mult_prob_error;
+    1.0 = trainer and generator agree exactly); counted in num_masked_seqs_by_logprob_error."""
     use_dynamic_sampling: bool = False
     """DAPO: drop zero-spread groups and sample more prompts until the batch has signal."""
     dynamic_sampling_max_gen_batches: int = Field(10, ge=1)
@@ -113,13 +160,40 @@ class GRPOConfig(Section):
     reward_scaling: RewardScalingConfig = RewardScalingConfig()
     async_grpo: AsyncGRPOConfig = AsyncGRPOConfig()
     refit_check: RefitCheckConfig = RefitCheckConfig()
+    adv_estimator: GroupAdvEstimatorConfig = GroupAdvEstimatorConfig()
 
     @model_validator(mode="after")
     def _clips(self) -> GRPOConfig:
         lo, hi = self.advantage_clip_low, self.advantage_clip_high
         if lo is not None and hi is not None and lo > hi:
             raise ValueError(f"advantage_clip_low ({lo}) must not exceed advantage_clip_high ({hi})")
+        est = self.adv_estimator
+        if est.name == "gdpo" and (self.reward_scaling.enabled or self.reward_shaping.enabled):
+            raise ValueError("grpo.adv_estimator.name 'gdpo' normalises the environment's reward components, which "
+                             "grpo.reward_scaling / grpo.reward_shaping do not touch; disable them")
+        for key in ("normalize_rewards", "use_leave_one_out_baseline"):
+            mine = getattr(est, key)
+            if mine is not None and key in self.model_fields_set and mine != getattr(self, key):
+                raise ValueError(f"grpo.{key} ({getattr(self, key)}) and grpo.adv_estimator.{key} ({mine}) disagree; "
+                                 f"set one of them")
+            # A parent config may spell out the default (grpo_math_1B.yaml does); a changed value would do nothing.
+            changed = getattr(self, key) != type(self).model_fields[key].default
+            if est.name == "reinforce_plus_plus" and key in self.model_fields_set and changed:
+                raise ValueError(f"grpo.{key}: {getattr(self, key)} does not apply to grpo.adv_estimator.name "
+                                 f"'reinforce_plus_plus' (it whitens over the batch); remove it")
         return self
+
+    @property
+    def normalize_group_rewards(self) -> bool:
+        """normalize_rewards in effect (adv_estimator's value, else the top-level key)."""
+        est = self.adv_estimator.normalize_rewards
+        return self.normalize_rewards if est is None else est
+
+    @property
+    def leave_one_out(self) -> bool:
+        """use_leave_one_out_baseline in effect (adv_estimator's value, else the top-level key)."""
+        est = self.adv_estimator.use_leave_one_out_baseline
+        return self.use_leave_one_out_baseline if est is None else est
 
 
 # ------------------------------------------------------------------------------- loss_fn
@@ -171,6 +245,10 @@ class LossConfig(Section):
     (NeMo RL >= 0.7, arXiv 2506.09477). false: detached, grpo's behaviour before."""
     positive_example_nll_weight: float = Field(0.0, ge=0)
     """VAPO: mu of an NLL term on the sequences with positive advantage (0: off)."""
+    use_kl_in_reward: bool = False
+    """Move the KL from the loss into the reward: every response token's reward (advantage) gets
+    -reference_policy_kl_penalty * k(prev || ref) with k = reference_policy_kl_type, and the loss's KL
+    term is off (beta 0 in the loss). The KL is then never in both places. Needs beta > 0."""
 
     @model_validator(mode="after")
     def _combinations(self) -> LossConfig:
@@ -186,9 +264,12 @@ class LossConfig(Section):
 
     def loss_op_config(self) -> PGLossConfig:
         """The loss op's own config (grpo_kernels.PGLossConfig) from the keys it declares; keys
-        of this section that other components consume (none yet) are not passed."""
+        of this section that other components consume (use_kl_in_reward: the rollout's advantages)
+        are not passed, and with the KL in the reward the loss's beta is 0 (applied once)."""
         op_keys = PGLossConfig.__dataclass_fields__
-        return PGLossConfig(**{k: v for k, v in self.model_dump().items() if k in op_keys})
+        fields = {k: v for k, v in self.model_dump().items() if k in op_keys}
+        fields["reference_policy_kl_penalty"] = self.loss_kl_penalty
+        return PGLossConfig(**fields)
 
     @model_validator(mode="after")
     def _loss_options(self) -> LossConfig:
@@ -200,6 +281,22 @@ class LossConfig(Section):
                                       loc=(err.field,), input=getattr(self, err.field))
             raise ValidationError.from_exception_data(type(self).__name__, [detail]) from None
         return self
+
+    @field_validator("use_kl_in_reward")
+    @classmethod
+    def _kl_in_reward_needs_beta(cls, on: bool, info: ValidationInfo) -> bool:
+        if on and info.data.get("reference_policy_kl_penalty") == 0:
+            raise ValueError("the in-reward KL coefficient is loss_fn.reference_policy_kl_penalty, which is 0; "
+                             "set it > 0 or turn use_kl_in_reward off")
+        if on and info.data.get("use_on_policy_kl_approximation"):
+            raise ValueError("use_on_policy_kl_approximation weights the loss's KL term, which use_kl_in_reward "
+                             "turns off; set one of them")
+        return on
+
+    @property
+    def loss_kl_penalty(self) -> float:
+        """beta of the loss's KL term: 0 when the KL is in the reward instead."""
+        return 0.0 if self.use_kl_in_reward else self.reference_policy_kl_penalty
 
 
 # -------------------------------------------------------------------------------- policy
@@ -584,11 +681,15 @@ class PPOConfig(Section):
     """Passes of policy and value training over each rollout batch (prev logprobs and old values stay fixed)."""
     policy_training_start_step: int = Field(1, ge=1)
     """First step whose batch trains the policy; earlier steps train only the value model (critic warm-up)."""
-    use_kl_in_reward: bool = False
-    """Subtract kl_in_reward_coef * (prev - ref) from every response token's reward (needs the
-    reference, which the policy worker holds when loss_fn.reference_policy_kl_penalty > 0)."""
-    kl_in_reward_coef: float = Field(0.001, ge=0)
-    """Per-token KL penalty coefficient in the reward."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _kl_in_reward_moved(cls, data: Any) -> Any:
+        if isinstance(data, dict) and ("use_kl_in_reward" in data or "kl_in_reward_coef" in data):
+            raise ValueError("ppo.use_kl_in_reward / ppo.kl_in_reward_coef were replaced by loss_fn.use_kl_in_reward "
+                             "(NeMo RL's key): the KL moves from the loss into the token rewards with coefficient "
+                             "loss_fn.reference_policy_kl_penalty and estimator loss_fn.reference_policy_kl_type")
+        return data
 
 
 class ValueLossConfig(Section):
@@ -714,14 +815,13 @@ class GRPOMasterConfig(Section):
         return self
 
     def _check_ppo(self) -> None:
+        if "adv_estimator" in self.grpo.model_fields_set:
+            raise ValueError("grpo.adv_estimator chooses GRPO's group estimator; PPO uses ppo.adv_estimator")
         if self.grpo.async_grpo.enabled:
             raise ValueError("grpo.async_grpo: PPO runs synchronously; set grpo.async_grpo.enabled: false")
         if self.grpo.use_dynamic_sampling and self.grpo.num_generations_per_prompt < 2:
             raise ValueError("grpo.use_dynamic_sampling keeps prompts whose samples differ in reward; with PPO it "
                              "needs grpo.num_generations_per_prompt >= 2")
-        if self.ppo.use_kl_in_reward and self.loss_fn.reference_policy_kl_penalty == 0:
-            raise ValueError("ppo.use_kl_in_reward needs the reference policy, which is loaded only when "
-                             "loss_fn.reference_policy_kl_penalty > 0")
         samples = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
         value_batch = self.value.train_global_batch_size or self.policy.train_global_batch_size
         if samples % value_batch:

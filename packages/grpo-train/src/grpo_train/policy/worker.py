@@ -51,6 +51,7 @@ class NonFiniteLossError(RuntimeError):
 
 
 def pg_loss_config(cfg: LossConfig) -> grpo_kernels.PGLossConfig:
+    """The kernel's loss config (LossConfig.loss_op_config: beta 0 when the KL is in the reward)."""
     return cfg.loss_op_config()
 
 

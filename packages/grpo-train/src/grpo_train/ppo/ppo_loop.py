@@ -18,7 +18,7 @@ from grpo_train.ppo.ppo_step import PPOComponents, add_values_and_advantages, me
 from grpo_train.run_state import TrainerState
 from grpo_train.sync_loop import (collect_rollouts, record_rewards, run_validation, sampling_spec, step_seed, total_steps,
                                   validate_and_save)
-from grpo_train.train_step import PhaseTimer, add_logprobs, check_refit, push_weights
+from grpo_train.train_step import PhaseTimer, add_logprobs, check_refit, mask_by_logprob_error, push_weights
 
 
 def train_epochs(cfg: GRPOMasterConfig, parts: PPOComponents, batch, train_policy: bool) -> dict[str, float]:
@@ -50,6 +50,7 @@ def train_ppo(cfg: GRPOMasterConfig, parts: PPOComponents, logger, checkpoints, 
         batch, metrics = prepare_ppo_batch(cfg, result.rollouts, pad_id)
         with timer("logprob"):
             add_logprobs(cfg, parts.policy, batch)
+        metrics |= mask_by_logprob_error(cfg, batch)
         with timer("values"):
             metrics |= add_values_and_advantages(cfg, parts.value, batch)
         train_policy = step >= cfg.ppo.policy_training_start_step

@@ -17,6 +17,7 @@ import torch
 from grpo_train.advantages import groups_with_signal, scale_rewards, shape_rewards
 from grpo_train.batch import Rollout, build_train_batch
 from grpo_train.config.schema import GRPOMasterConfig
+from grpo_train.group_estimators import kl_in_reward
 from grpo_train.ppo.estimators import EstimatorInput, compute_ppo_advantages
 from grpo_train.ppo.gae import last_token_rewards
 from grpo_train.setup import Components
@@ -96,13 +97,17 @@ def prepare_ppo_batch(cfg: GRPOMasterConfig, rollouts: list[Rollout], pad_id: in
 def token_rewards(cfg: GRPOMasterConfig, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """[B, S]: the sequence reward on the last response token, minus the optional per-token KL penalty.
 
-    The KL estimate is k1 = prev - ref (the rollout policy against the reference), as in verl's
-    `use_kl_in_reward`; it is a reward term, so no gradient flows through it.
+    With loss_fn.use_kl_in_reward every response token's reward gets -beta * k(prev || ref), with
+    beta = loss_fn.reference_policy_kl_penalty and k = loss_fn.reference_policy_kl_type (the policy
+    worker then runs the loss with beta 0, so the KL is applied once). It is a reward term: no
+    gradient flows through it.
     """
     rewards = last_token_rewards(batch["scores"], batch["token_mask"])
-    if cfg.ppo.use_kl_in_reward:
-        kl = (batch["prev_logprobs"] - batch["ref_logprobs"]) * batch["token_mask"]
-        rewards = rewards - cfg.ppo.kl_in_reward_coef * kl
+    loss = cfg.loss_fn
+    if loss.use_kl_in_reward:
+        rewards = rewards - kl_in_reward(batch["prev_logprobs"], batch["ref_logprobs"], batch["token_mask"],
+                                         loss.reference_policy_kl_penalty, loss.reference_policy_kl_type,
+                                         loss.kl_input_clamp_value, loss.kl_output_clamp_value)
     return rewards
 
 

@@ -1,0 +1,113 @@
+"""The GRPO step's batch phase: rewards -> batch -> advantages and masks (no Ray, no model).
+
+prepare_batch and add_advantages are the public path the sync and async loops take; the
+numbers are hand-computed in the comments (shared/GRPO-MATH.md, docs/algorithms.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from grpo_train.batch import Rollout
+from grpo_train.config import validate_config_dict
+from grpo_train.policy.worker import pg_loss_config
+from grpo_train.train_step import add_advantages, prepare_batch
+
+torch.set_num_threads(1)
+
+
+def rollout(p: int, reward: float, n: int, truncated: bool = False, components: dict | None = None) -> Rollout:
+    meta = {"reward_components": components} if components is not None else {}
+    return Rollout(prompt_index=p, prompt_ids=[5, 6], response_ids=list(range(7, 7 + n)), gen_logprobs=[-0.5] * n,
+                   text="", truncated=truncated, reward=reward, env_metadata=meta)
+
+
+def cfg(group: int = 4, prompts: int = 1, **sections):
+    grpo = {"num_prompts_per_step": prompts, "num_generations_per_prompt": group} | sections.pop("grpo", {})
+    base = {"grpo": grpo, "policy": {"train_global_batch_size": group * prompts, "train_micro_batch_size": 1}}
+    return validate_config_dict(base | sections)
+
+
+def with_logprobs(batch, prev=None, ref=None):
+    """prev = gen (on policy) unless given; ref only when given."""
+    batch["prev_logprobs"] = batch["gen_logprobs"].clone() if prev is None else prev
+    if ref is not None:
+        batch["ref_logprobs"] = ref
+    return batch
+
+
+def test_overlong_filtering_keeps_truncated_samples_in_the_baseline():
+    c = cfg(grpo={"overlong_filtering": True, "normalize_rewards": False, "use_leave_one_out_baseline": False})
+    rollouts = [rollout(0, 1.0, 2), rollout(0, 0.0, 2), rollout(0, 0.0, 4, True), rollout(0, 0.0, 4, True)]
+    batch, _ = prepare_batch(c, rollouts, pad_id=0)
+    metrics = add_advantages(c, rollouts, with_logprobs(batch))
+    # baseline over all four: mean 0.25 -> the kept two get 0.75 and -0.25 (not 0.5 / -0.5)
+    assert batch["sample_mask"].tolist() == [1.0, 1.0, 0.0, 0.0]
+    torch.testing.assert_close(batch["advantages"][:2, 2], torch.tensor([0.75, -0.25]))
+    assert metrics["masked_samples"] == 2.0
+
+
+def test_seq_logprob_error_threshold_masks_sequences_by_their_mean_exp_error():
+    c = cfg(group=3, grpo={"seq_logprob_error_threshold": 2.5, "normalize_rewards": False,
+                           "use_leave_one_out_baseline": False})
+    rollouts = [rollout(0, 1.0, 2), rollout(0, 0.0, 2), rollout(0, 0.0, 1)]
+    batch, _ = prepare_batch(c, rollouts, pad_id=0)
+    prev = batch["gen_logprobs"].clone()
+    prev[1, 2] += math.log(3)  # row 1: mean(exp(|d|)) = (3 + 1) / 2 = 2.0 <= 2.5, kept
+    prev[2, 2] -= math.log(5)  # row 2: 5.0 > 2.5, dropped
+    metrics = add_advantages(c, rollouts, with_logprobs(batch, prev))
+    assert batch["sample_mask"].tolist() == [1.0, 1.0, 0.0]
+    assert metrics["num_masked_seqs_by_logprob_error"] == 1.0
+    assert metrics["max_seq_mult_prob_error"] == pytest.approx(5.0)
+    # the dropped sample still counts in the baseline: mean 1/3
+    torch.testing.assert_close(batch["advantages"][:, 2], torch.tensor([2 / 3, -1 / 3, -1 / 3]))
+
+
+def test_seq_logprob_error_threshold_below_one_is_refused():
+    from grpo_train.config import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        cfg(grpo={"seq_logprob_error_threshold": 0.5})
+    assert info.value.key == "grpo.seq_logprob_error_threshold"
+
+
+def test_kl_in_reward_for_grpo_goes_into_the_advantage_and_out_of_the_loss():
+    c = cfg(group=2, grpo={"adv_estimator": {"name": "grpo", "normalize_rewards": False, "use_leave_one_out_baseline": False}},
+            loss_fn={"use_kl_in_reward": True, "reference_policy_kl_penalty": 0.1, "reference_policy_kl_type": "k2"})
+    rollouts = [rollout(0, 1.0, 2), rollout(0, 0.0, 2)]
+    batch, _ = prepare_batch(c, rollouts, pad_id=0)
+    ref = batch["gen_logprobs"] - 1.0 * batch["token_mask"]  # ref - prev = -1: k2 = 0.5, beta * k2 = 0.05
+    metrics = add_advantages(c, rollouts, with_logprobs(batch, ref=ref))
+    torch.testing.assert_close(batch["advantages"][:, 2:4], torch.tensor([[0.45, 0.45], [-0.55, -0.55]]))
+    assert metrics["reward_kl_penalty"] == pytest.approx(0.05)
+    # the loss runs with beta 0 (the KL is applied once); the reference is still loaded (beta > 0 in loss_fn)
+    assert pg_loss_config(c.loss_fn).reference_policy_kl_penalty == 0.0
+    assert c.loss_fn.reference_policy_kl_penalty == 0.1
+    plain = cfg(group=2)
+    assert pg_loss_config(plain.loss_fn).reference_policy_kl_penalty == plain.loss_fn.reference_policy_kl_penalty
+
+
+def test_gdpo_reads_the_environments_reward_components():
+    c = cfg(group=2, prompts=2, grpo={"adv_estimator": {"name": "gdpo", "normalize_rewards": False,
+                                                        "use_leave_one_out_baseline": False}})
+    comps = [{"format": 1, "correct": 0}, {"format": 0, "correct": 1}, {"format": 1, "correct": 1}, {"format": 1, "correct": 0}]
+    rollouts = [rollout(i // 2, 0.0, 1, components=cm) for i, cm in enumerate(comps)]
+    batch, _ = prepare_batch(c, rollouts, pad_id=0)
+    add_advantages(c, rollouts, with_logprobs(batch))
+    # sorted names (correct, format): groups give [-0.5, 0.5, 0.5, -0.5] + [0.5, -0.5, 0, 0] = [0, 0, 0.5, -0.5]
+    s = 1 / math.sqrt(0.5 / 3)
+    torch.testing.assert_close(batch["advantages"][:, 2], torch.tensor([0.0, 0.0, 0.5 * s, -0.5 * s]))
+    rollouts[3].env_metadata = {"reward_components": {"format": 1}}
+    with pytest.raises(ValueError, match="sample 3: reward_components"):
+        add_advantages(c, rollouts, with_logprobs(prepare_batch(c, rollouts, pad_id=0)[0]))
+
+
+def test_kl_in_reward_refuses_the_loss_only_kl_options():
+    from grpo_train.config import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        cfg(group=2, loss_fn={"use_kl_in_reward": True, "use_on_policy_kl_approximation": True})
+    assert info.value.key == "loss_fn.use_kl_in_reward"
