@@ -244,10 +244,20 @@ def test_bf16_mixed_precision_ranks_reduce_fp32_gradients_as_one_worker(ray_sess
     gathers, fp32 reduce-scatter) against one unsharded worker (fp32 masters, bf16 compute
     copy): the same bf16 logprobs, the same fp32 gradients (summed over the ranks in fp32) and
     fp32 masters; the refit carries the masters' bf16 cast, in the checkpoint the masters stay fp32."""
-    group = PolicyGroup(tiny_qwen2_dir, policy_cfg(2, precision="bfloat16"), LOSS, ClusterConfig(), seed=0,
-                        num_threads=1)
+    from grpo_train.policy.worker import PolicyWorker
+
+    # Micro-batches of 4 rows: the single worker's two are the two ranks' shards, so each bf16
+    # forward/backward is the same computation on both sides and only the fp32 sums remain.
+    def cfg(n: int) -> PolicyConfig:
+        return policy_cfg(n, precision="bfloat16").model_copy(update={"train_micro_batch_size": 4,
+                                                                      "logprob_batch_size": 4})
+
+    group = PolicyGroup(tiny_qwen2_dir, cfg(2), LOSS, ClusterConfig(), seed=0, num_threads=1)
     try:
-        single = synced_single_worker(group, tiny_qwen2_dir, tmp_path / "start", precision="bfloat16")
+        torch.set_num_threads(1)
+        single = PolicyWorker(tiny_qwen2_dir, cfg(1), LOSS, seed=0)
+        single.save(str(tmp_path / "start"))
+        ray.get(group.load.remote(str(tmp_path / "start")))
         assert group._sharded
         one = prepare(make_batch(8, seed=0), single.logprobs)
         two = prepare(make_batch(8, seed=0), group_logprobs(group))

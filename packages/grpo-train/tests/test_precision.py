@@ -121,7 +121,7 @@ def test_mixed_checkpoint_keeps_masters_and_resumes_bitwise(tiny_qwen2_dir, tmp_
     assert not all(torch.equal(a[k], exported[k].float()) for k in a if k in exported)  # it did step
 
 
-def test_value_worker_keeps_fp32_masters(tiny_qwen2_dir):
+def test_value_worker_keeps_fp32_masters(tiny_qwen2_dir, tmp_path):
     from grpo_train.ppo.value_worker import ValueWorker
 
     cfg = ValueConfig(precision="bfloat16", optimizer=ADAMW, train_micro_batch_size=2)
@@ -143,3 +143,8 @@ def test_value_worker_keeps_fp32_masters(tiny_qwen2_dir):
     # ... by less than half a bf16 step of the weight: bf16 weights would have rounded back.
     assert float((moved.abs() < start.abs() * 2.0**-9).float().mean()) > 0.8
     assert all(torch.equal(p.detach(), after[k].bfloat16()) for k, p in v.model.named_parameters())
+    v.save(str(tmp_path / "value"))
+    resumed = ValueWorker(tiny_qwen2_dir, cfg, ValueLossConfig(), global_batch_size=4, seed=0)
+    resumed.load(str(tmp_path / "value"))
+    again = resumed.weights()
+    assert all(torch.equal(again[k], after[k]) for k in after)  # the fp32 masters, not the bf16 export
