@@ -1,8 +1,8 @@
 """Refit-gate statistics on the bundled demo model: a healthy push and three broken ones.
 
 For each trainer precision (policy.precision) and engine precision (vllm_cfg.precision) pair,
-a PolicyWorker (fp32 masters, compute in its precision) takes one GRPO-shaped optimizer step at
-the demo's lr, the real vLLM CPU engine samples the probe (demo prompts, temperature 1), and
+a PolicyWorker (fp32 masters, compute in its precision) takes GRPO-shaped optimizer steps at
+the demo's lr (measured after 1 and after 10), the real vLLM CPU engine samples the probe (demo prompts, temperature 1), and
 trainer and engine score it after:
   healthy   every tensor pushed (the compute-dtype weights)
   stale     nothing pushed: the engine keeps the weights before the step
@@ -54,7 +54,8 @@ def train_batch(rollouts, pad: int = 0) -> dict[str, torch.Tensor]:
             "advantages": adv[:, None] * token_mask, "sample_mask": torch.ones(B)}
 
 
-def measure(trainer_precision: str, engine_precision: str, lr: float, n_prompts: int, seed: int) -> list[dict]:
+def measure(trainer_precision: str, engine_precision: str, lr: float, n_prompts: int, seed: int,
+            steps: tuple[int, ...]) -> list[dict]:
     from transformers import AutoTokenizer
 
     path = str(builtin_model_path("arith-tiny"))
@@ -70,27 +71,32 @@ def measure(trainer_precision: str, engine_precision: str, lr: float, n_prompts:
     rollouts = engine.generate(prompts(tok, n_prompts, seed), SamplingSpec(temperature=1.0, max_new_tokens=8, n=8))
     rollouts = [r for r in rollouts if r.response_ids][:64]
     batch = train_batch(rollouts)
-    batch["prev_logprobs"] = worker.logprobs(batch)
-    worker.train(batch)
-    after = worker.weights()
     probe = engine.generate(prompts(tok, n_prompts, seed + 1), SamplingSpec(temperature=1.0, max_new_tokens=8, n=4))
     seqs = [r.prompt_ids + r.response_ids for r in probe if r.response_ids]
     plens = [len(r.prompt_ids) for r in probe if r.response_ids]
-    trainer = worker.score(seqs, plens)
-    cases = {
-        "healthy": after,
-        "stale": before,
-        "skipped": {**after, SKIPPED: before[SKIPPED]},
-        "bad_cast": {k: v.to(BAD_CAST[trainer_precision]).to(v.dtype) for k, v in after.items()},
-    }
-    out = []
-    for version, (case, weights) in enumerate(cases.items(), start=2):
-        engine.update_weights(weights, version)
-        stats = refit_stats(trainer, engine.score(seqs, plens))
-        out.append({"trainer": trainer_precision, "engine": engine_precision, "case": case, "lr": lr,
-                    "tokens": stats.tokens, "max_abs_diff": stats.max_abs_diff, "mean_abs_diff": stats.mean_abs_diff,
-                    "token_mult_prob_error": stats.token_mult_prob_error, "gen_kl_error": stats.gen_kl_error})
-        print(json.dumps(out[-1]), flush=True)
+    out, version = [], 1
+    for step in range(1, max(steps) + 1):
+        batch["prev_logprobs"] = worker.logprobs(batch)
+        worker.train(batch)
+        if step not in steps:
+            continue
+        after = worker.weights()
+        trainer = worker.score(seqs, plens)
+        cases = {  # "stale" and "skipped": the engine kept the weights of before step 1
+            "healthy": after,
+            "stale": before,
+            "skipped": {**after, SKIPPED: before[SKIPPED]},
+            "bad_cast": {k: v.to(BAD_CAST[trainer_precision]).to(v.dtype) for k, v in after.items()},
+        }
+        for case, weights in cases.items():
+            version += 1
+            engine.update_weights(weights, version)
+            stats = refit_stats(trainer, engine.score(seqs, plens))
+            out.append({"trainer": trainer_precision, "engine": engine_precision, "steps": step, "case": case,
+                        "lr": lr, "tokens": stats.tokens, "max_abs_diff": stats.max_abs_diff,
+                        "mean_abs_diff": stats.mean_abs_diff, "token_mult_prob_error": stats.token_mult_prob_error,
+                        "gen_kl_error": stats.gen_kl_error})
+            print(json.dumps(out[-1]), flush=True)
     engine.shutdown()
     return out
 
@@ -101,11 +107,12 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-5)  # the demo's
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, nargs="+", default=[1, 10], help="optimizer steps before measuring")
     args = parser.parse_args()
     torch.set_num_threads(1)
     for pair in args.pairs:
         trainer, engine = pair.split(":")
-        measure(trainer, engine, args.lr, args.prompts, args.seed)
+        measure(trainer, engine, args.lr, args.prompts, args.seed, tuple(args.steps))
 
 
 if __name__ == "__main__":
