@@ -283,6 +283,9 @@ class PolicyWorker:
             ckpt = read_checkpoint(folder)
             unexpected = sorted(ckpt["model"].keys() - self.model.state_dict().keys())
             error = self.master.load(ckpt["model"]) if not unexpected else f"unexpected {unexpected}"
+            if not error:  # persistent buffers, if the model has any (the parameters are the masters' cast)
+                self.model.load_state_dict({k: v for k, v in ckpt["model"].items()
+                                            if k not in self.master.names}, strict=False)
             if error:
                 raise RuntimeError(f"checkpoint {folder} does not match the model: {error}")
             self.optimizer.load_state_dict(ckpt["optimizer"])
