@@ -6,8 +6,9 @@ the demo's lr (measured after 1 and after 10), the real vLLM CPU engine samples 
 trainer and engine score it after:
   healthy   every tensor pushed (the compute-dtype weights)
   stale     nothing pushed: the engine keeps the weights before the step
-  skipped   every tensor but one (model.layers.1.mlp.down_proj.weight keeps its old value)
-  bad_cast  every tensor pushed through a wrong dtype (fp32 run: bf16; bf16 run: float8_e4m3fn)
+  skipped   every tensor but one (a down_proj, or the tied embedding, keeps its old value)
+  bad_cast  every tensor pushed through a wrong dtype (fp32 run: bf16; bf16 run: its bytes read
+            as fp16, or an fp8 e4m3 round trip)
 Prints one JSON line per case. Usage:
   uv run --no-sync python benchmarks/refit/gate_stats.py --pairs float32:float32 bfloat16:bfloat16
 """
@@ -26,8 +27,14 @@ from grpo_train.generation import SamplingSpec, VllmGenerator
 from grpo_train.policy.worker import PolicyWorker
 from grpo_train.weight_sync import refit_stats
 
-SKIPPED = "model.layers.1.mlp.down_proj.weight"
-BAD_CAST = {"float32": torch.bfloat16, "bfloat16": torch.float8_e4m3fn, "float16": torch.float8_e4m3fn}
+SKIPPED = ("model.layers.1.mlp.down_proj.weight", "model.embed_tokens.weight")
+
+
+def bad_casts(t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """fp32: rounded to bf16. bf16: bytes read as fp16 (a mislabelled bucket), and fp8 e4m3 round trip."""
+    if t.dtype == torch.float32:
+        return {"bad_cast_bf16": t.to(torch.bfloat16).float()}
+    return {"bad_cast_view_fp16": t.view(torch.float16).to(t.dtype), "bad_cast_fp8": t.to(torch.float8_e4m3fn).to(t.dtype)}
 
 
 def prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
@@ -66,7 +73,7 @@ def measure(trainer_precision: str, engine_precision: str, lr: float, n_prompts:
                        generation={"temperature": 1.0})
     worker = PolicyWorker(path, cfg, LossConfig(reference_policy_kl_penalty=0.0), seed=seed)
     engine = VllmGenerator(path, dtype=engine_precision, max_model_len=32, seed=seed, kv_cache_space_gb=0.25)
-    before = worker.weights()
+    before = {k: v.clone() for k, v in worker.weights().items()}  # in-process weights() are the live tensors
     engine.update_weights(before, 1)
     rollouts = engine.generate(prompts(tok, n_prompts, seed), SamplingSpec(temperature=1.0, max_new_tokens=8, n=8))
     rollouts = [r for r in rollouts if r.response_ids][:64]
@@ -80,14 +87,12 @@ def measure(trainer_precision: str, engine_precision: str, lr: float, n_prompts:
         worker.train(batch)
         if step not in steps:
             continue
-        after = worker.weights()
+        after = {k: v.clone() for k, v in worker.weights().items()}
         trainer = worker.score(seqs, plens)
-        cases = {  # "stale" and "skipped": the engine kept the weights of before step 1
-            "healthy": after,
-            "stale": before,
-            "skipped": {**after, SKIPPED: before[SKIPPED]},
-            "bad_cast": {k: v.to(BAD_CAST[trainer_precision]).to(v.dtype) for k, v in after.items()},
-        }
+        cases = {"healthy": after, "stale": before}  # stale / skipped: the engine kept the weights of before step 1
+        cases |= {f"skipped:{name}": {**after, name: before[name]} for name in SKIPPED}
+        casts = {k: bad_casts(v) for k, v in after.items()}
+        cases |= {case: {k: casts[k][case] for k in after} for case in next(iter(casts.values()))}
         for case, weights in cases.items():
             version += 1
             engine.update_weights(weights, version)
