@@ -65,13 +65,14 @@ class RefitCheckConfig(Section):
     max_abs_logprob_diff: float | None = Field(None, gt=0)
     """Stop the run when one probe token's |trainer - generator| logprob difference exceeds this.
     null: the default of the pair's coarser precision (policy.precision vs vllm_cfg.precision;
-    weight_sync.DEFAULT_LIMITS): 1e-3 in float32, where healthy pairs agree to ~1e-6 per token;
-    not gated in bfloat16/float16, where single healthy tokens differ by up to ~0.1
-    (benchmarks/results/refit_gate_bf16.md)."""
+    weight_sync.DEFAULT_LIMITS): 1e-3 in float32, where a healthy pair's worst token differs by
+    ~1e-5 (demo model, measured); not gated in bfloat16/float16, where a healthy pair's worst
+    token differs by up to ~0.26 (benchmarks/results/refit_gate_bf16.md)."""
     max_mean_abs_logprob_diff: float | None = Field(None, gt=0)
     """Stop the run when the mean over the probe's tokens of |trainer - generator| logprob exceeds
     this. null: the precision's default (weight_sync.DEFAULT_LIMITS): 1e-4 in float32 (healthy
-    ~1e-7), 0.05 in bfloat16/float16 (healthy ~1e-2 on the demo model)."""
+    ~1e-6 on the demo model), 0.05 in bfloat16/float16 (healthy 6.5e-3..1.6e-2 on the demo model,
+    measured; NeMo RL's healthy token_mult_prob_error ~1.05 is a mean of ~0.05)."""
     period: int = Field(1, ge=1)
     """Check every this many refits."""
 
