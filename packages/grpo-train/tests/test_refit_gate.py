@@ -2,9 +2,9 @@
 precision, and a real vLLM engine (CPU build) fed a healthy push and three broken ones (stale
 weights, one tensor skipped, a wrong dtype cast) after real optimizer steps of the bundled demo
 model, in fp32 and in bf16 (trainer and engine both bf16). The healthy push must pass the default
-limits; in fp32 every broken one must trip them, naming the worst token; in bf16 the wrong cast
-must, while stale weights and a skipped tensor are measured and printed (they can sit inside
-bf16's own trainer/engine noise: benchmarks/results/refit_gate_bf16.md)."""
+limits; in fp32 every broken one must trip them, naming the worst token; in bf16 stale weights
+and the wrong cast must, while a skipped tensor is measured and printed (it sits inside the
+default's margin over bf16's own trainer/engine noise: benchmarks/results/refit_gate_bf16.md)."""
 
 from __future__ import annotations
 
@@ -129,9 +129,9 @@ def test_healthy_refit_passes_and_broken_ones_stop_the_run(precision):
         for version, (case, weights) in enumerate(broken.items(), start=3):
             engine.update_weights(weights, version)
             generated = engine.score(seqs, plens)
-            if precision == "bfloat16" and case != "bad_cast":
-                # Measured (CPU, 10 demo steps): at least one of stale / skipped stays under the bf16
-                # default (mean |d| 0.05) -- a refit wrong by less than bf16's own noise is not seen.
+            if precision == "bfloat16" and case == "skipped":
+                # Measured (CPU, 10 demo steps): one skipped tensor gives mean |d| 0.032-0.037 against
+                # 0.016 healthy, under the bf16 default 0.05 -- inside bf16's own noise margin.
                 # Recorded, not asserted; see benchmarks/results/refit_gate_bf16.md.
                 print(f"[measure] bf16 {case}: {refit_stats(trainer, generated)}")
                 continue
