@@ -217,7 +217,7 @@ def test_bf16_mixed_precision_demo_learns_as_fp32(tmp_path):
     assert abs(acc["bf16"][1] - acc["fp32"][1]) <= 0.06, acc
     ckpt = runs["bf16"] / "checkpoints" / "step_10" / "policy"
     assert {t.dtype for t in load_file(next((ckpt / "model").glob("*.safetensors"))).values()} == {torch_dtype("bfloat16")}
-    assert (ckpt / "master_weights.pt").is_file()
+    assert (ckpt / "master_weights.safetensors").is_file()
 
 
 def torch_dtype(name: str):

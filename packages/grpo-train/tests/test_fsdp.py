@@ -268,7 +268,7 @@ def test_bf16_mixed_precision_ranks_reduce_fp32_gradients_as_one_worker(ray_sess
         assert {g.dtype for g in grads.values()} == {torch.float32}
         assert_close_rel(grads, single.gradients(), "fp32-reduced gradients")
         ray.get(group.save.remote(str(tmp_path / "saved")))
-        masters = torch.load(tmp_path / "saved" / "master_weights.pt")
+        masters = load_file(tmp_path / "saved" / "master_weights.safetensors")
         assert {t.dtype for t in masters.values()} == {torch.float32}
         assert_close_rel({k: masters[k] for k in single.master_weights()}, single.master_weights(), "masters")
         pushed = collective_refit(group)
