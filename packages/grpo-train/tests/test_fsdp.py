@@ -34,9 +34,9 @@ LOSS = LossConfig(reference_policy_kl_penalty=0.05)
 BUCKET_BYTES = 64 * 1024  # several buckets per push of the tiny model
 
 
-def policy_cfg(num_workers: int, fsdp: bool | None = True) -> PolicyConfig:
+def policy_cfg(num_workers: int, fsdp: bool | None = True, precision: str = "float32") -> PolicyConfig:
     """SGD with momentum: per-parameter optimizer state, sharded under FSDP2."""
-    return PolicyConfig(precision="float32", train_global_batch_size=8, train_micro_batch_size=2,
+    return PolicyConfig(precision=precision, train_global_batch_size=8, train_micro_batch_size=2,
                         logprob_batch_size=3, max_grad_norm=1.0, num_workers=num_workers,
                         optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.5, "momentum": 0.9}},
                         dtensor_cfg=DTensorConfig(enabled=fsdp), generation={"temperature": 0.7})
@@ -101,16 +101,16 @@ def assert_state_equal(a, b, where: str = "") -> None:
         assert a == b, (where, a, b)
 
 
-def single_worker(model_dir: str):
+def single_worker(model_dir: str, precision: str = "float32"):
     from grpo_train.policy.worker import PolicyWorker
 
     torch.set_num_threads(1)
-    return PolicyWorker(model_dir, policy_cfg(1), LOSS, seed=0)
+    return PolicyWorker(model_dir, policy_cfg(1, precision=precision), LOSS, seed=0)
 
 
-def synced_single_worker(group, model_dir: str, folder: Path):
+def synced_single_worker(group, model_dir: str, folder: Path, precision: str = "float32"):
     """A fresh single worker and the group in the same state: the group loads its checkpoint."""
-    single = single_worker(model_dir)
+    single = single_worker(model_dir, precision)
     single.save(str(folder))
     ray.get(group.load.remote(str(folder)))
     return single
@@ -236,3 +236,43 @@ def test_one_row_on_two_sharded_ranks_is_the_single_worker_step(fsdp_group, tiny
     assert_metrics_close(m2, m1)
     assert m2.keys() == m1.keys()
     assert_close_rel(ray.get(fsdp_group.weights.remote()), single.weights(), "weights")
+
+
+@pytest.mark.slow
+def test_bf16_mixed_precision_ranks_reduce_fp32_gradients_as_one_worker(ray_session, tiny_qwen2_dir, tmp_path):
+    """policy.precision=bfloat16 on two FSDP2 ranks (MixedPrecisionPolicy: fp32 shards, bf16
+    gathers, fp32 reduce-scatter) against one unsharded worker (fp32 masters, bf16 compute
+    copy): the same bf16 logprobs, the same fp32 gradients (summed over the ranks in fp32) and
+    fp32 masters; the refit carries the masters' bf16 cast, in the checkpoint the masters stay fp32."""
+    from grpo_train.policy.worker import PolicyWorker
+
+    # Micro-batches of 4 rows: the single worker's two are the two ranks' shards, so each bf16
+    # forward/backward is the same computation on both sides and only the fp32 sums remain.
+    def cfg(n: int) -> PolicyConfig:
+        return policy_cfg(n, precision="bfloat16").model_copy(update={"train_micro_batch_size": 4,
+                                                                      "logprob_batch_size": 4})
+
+    group = PolicyGroup(tiny_qwen2_dir, cfg(2), LOSS, ClusterConfig(), seed=0, num_threads=1)
+    try:
+        torch.set_num_threads(1)
+        single = PolicyWorker(tiny_qwen2_dir, cfg(1), LOSS, seed=0)
+        single.save(str(tmp_path / "start"))
+        ray.get(group.load.remote(str(tmp_path / "start")))
+        assert group._sharded
+        one = prepare(make_batch(8, seed=0), single.logprobs)
+        two = prepare(make_batch(8, seed=0), group_logprobs(group))
+        torch.testing.assert_close(two["prev_logprobs"], one["prev_logprobs"], rtol=0, atol=0)
+        m1, m2 = single.train(one), ray.get(group.train.remote(two))
+        assert_metrics_close(m2, m1)
+        grads = ray.get(group.gradients.remote())
+        assert {g.dtype for g in grads.values()} == {torch.float32}
+        assert_close_rel(grads, single.gradients(), "fp32-reduced gradients")
+        ray.get(group.save.remote(str(tmp_path / "saved")))
+        masters = load_file(tmp_path / "saved" / "master_weights.safetensors")
+        assert {t.dtype for t in masters.values()} == {torch.float32}
+        assert_close_rel({k: masters[k] for k in single.master_weights()}, single.master_weights(), "masters")
+        pushed = collective_refit(group)
+        assert {t.dtype for t in pushed.values()} == {torch.bfloat16}
+        assert all(torch.equal(t, masters[name].bfloat16()) for name, t in pushed.items())
+    finally:
+        group.close()

@@ -67,7 +67,7 @@ def train_async(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Traine
             if refit.enabled and state.weight_version % refit.period == 0:
                 with timer("refit_check"):
                     probe = rollouts[: refit.num_probe_sequences]
-                    metrics["refit/max_abs_logprob_diff"] = check_refit(cfg, parts.policy, parts.generator, probe)
+                    metrics |= check_refit(cfg, parts.policy, parts.generator, probe)
 
             state.step = step
             state.epoch = groups[-1].epoch

@@ -131,15 +131,28 @@ def push_weights(policy, generator, version: int) -> float:
     return time.perf_counter() - start
 
 
-def check_refit(cfg: GRPOMasterConfig, policy, generator, probe: list[Rollout]) -> float:
-    """Score the probe rollouts in trainer and generator; raise above the configured threshold."""
+def refit_limits(cfg: GRPOMasterConfig) -> weight_sync.RefitLimits:
+    """grpo.refit_check's thresholds, a null one taking the default of the trainer/engine pair's
+    coarser precision (the HF generator runs in policy.precision)."""
+    engine = cfg.policy.generation.vllm_cfg.precision if cfg.policy.generation.backend == "vllm" else cfg.policy.precision
+    default = weight_sync.DEFAULT_LIMITS[weight_sync.gate_precision(cfg.policy.precision, engine)]
+    check = cfg.grpo.refit_check
+    return weight_sync.RefitLimits(
+        max_abs_diff=check.max_abs_logprob_diff if check.max_abs_logprob_diff is not None else default.max_abs_diff,
+        mean_abs_diff=(check.max_mean_abs_logprob_diff if check.max_mean_abs_logprob_diff is not None
+                       else default.mean_abs_diff))
+
+
+def check_refit(cfg: GRPOMasterConfig, policy, generator, probe: list[Rollout]) -> dict[str, float]:
+    """Score the probe rollouts in trainer and generator; raise above the configured thresholds
+    (`refit_limits`). Returns the refit/* metrics."""
     sequences = [r.prompt_ids + r.response_ids for r in probe if r.response_ids]
     prompt_lens = [len(r.prompt_ids) for r in probe if r.response_ids]
     if not sequences:
-        return 0.0
+        return {}
     trainer = ray.get(policy.score.remote(sequences, prompt_lens))
     generated = ray.get(generator.score.remote(sequences, prompt_lens))
-    return weight_sync.check_refit(trainer, generated, cfg.grpo.refit_check.max_abs_logprob_diff)
+    return weight_sync.gate_refit(trainer, generated, refit_limits(cfg)).metrics()
 
 
 class PhaseTimer:

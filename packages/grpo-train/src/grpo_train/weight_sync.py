@@ -10,46 +10,93 @@ Boundary: no Ray, no vLLM import; the loop decides when to push and what probe t
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:
     import torch
 
 
+@dataclass(frozen=True)
+class RefitStats:
+    """Trainer vs generator logprobs of the same probe tokens after a weight push.
+
+    Per token d = trainer - generator logprob. `token_mult_prob_error` = mean(exp|d|) and
+    `gen_kl_error` = mean(k3(gen || trainer)) = mean(e^d - 1 - d) are the training metrics of
+    the same names (GRPO-MATH.md) on the probe. `worst` is the token of the largest |d|:
+    (sequence, token, trainer value, generator value)."""
+
+    max_abs_diff: float
+    mean_abs_diff: float
+    token_mult_prob_error: float
+    gen_kl_error: float
+    tokens: int
+    worst: tuple[int, int, float, float] | None
+
+    def metrics(self) -> dict[str, float]:
+        return {"refit/max_abs_logprob_diff": self.max_abs_diff, "refit/mean_abs_logprob_diff": self.mean_abs_diff,
+                "refit/token_mult_prob_error": self.token_mult_prob_error, "refit/gen_kl_error": self.gen_kl_error}
+
+
+@dataclass(frozen=True)
+class RefitLimits:
+    """Thresholds of the refit gate (None: that statistic is not gated)."""
+
+    max_abs_diff: float | None
+    mean_abs_diff: float | None
+
+
+# Defaults per compute precision of the trainer/engine pair (the lower one decides), measured
+# on the bundled demo model (benchmarks/results/refit_gate_bf16.md). Healthy fp32 pairs agree to
+# ~1e-5 on the worst token (mean ~1e-6), so one token off by 1e-3 is a broken refit. A healthy
+# bf16 pair differs by up to ~0.26 on rare low-probability tokens, so a single token says
+# little; the mean over the probe is steadier (healthy 6.5e-3..1.6e-2).
+DEFAULT_LIMITS = {
+    "float32": RefitLimits(max_abs_diff=1e-3, mean_abs_diff=1e-4),
+    "bfloat16": RefitLimits(max_abs_diff=None, mean_abs_diff=0.05),
+    "float16": RefitLimits(max_abs_diff=None, mean_abs_diff=0.05),
+}
+_ORDER = ("float32", "float16", "bfloat16")  # increasing rounding error
+
+
+def gate_precision(*precisions: str) -> str:
+    """The precision whose defaults gate a trainer/engine pair: the coarser of the two."""
+    return max(precisions, key=_ORDER.index)
+
+
 class RefitMismatchError(RuntimeError):
     """The generator's logprobs disagree with the trainer's after a weight push."""
 
-    def __init__(self, max_abs_diff: float, threshold: float, where: tuple[int, int] | None,
-                 trainer_value: float | None, generator_value: float | None) -> None:
-        self.max_abs_diff = max_abs_diff
-        self.threshold = threshold
-        self.where = where
+    def __init__(self, stats: RefitStats, statistic: str, threshold: float) -> None:
+        self.stats, self.statistic, self.threshold = stats, statistic, threshold
+        self.max_abs_diff = stats.max_abs_diff
+        self.where = stats.worst[:2] if stats.worst is not None else None
+        value = getattr(stats, statistic)
         location = ""
-        if where is not None:
-            location = (
-                f" at sequence {where[0]}, token {where[1]} (trainer {trainer_value:.6f}, "
-                f"generator {generator_value:.6f})"
-            )
+        if stats.worst is not None:
+            i, j, a, b = stats.worst
+            location = (f"; worst token: sequence {i}, token {j} (trainer {a:.6f}, generator {b:.6f}, "
+                        f"|diff| {stats.max_abs_diff:.3g})")
         super().__init__(
-            f"refit check failed: max |trainer - generator| logprob difference "
-            f"{max_abs_diff:.3g} > threshold {threshold:.3g}{location}. The generator is not "
-            f"running the trainer's weights (a missed tensor, a stale tied lm_head or prefix "
-            f"cache) or the two disagree on temperature or dtype."
+            f"refit check failed: {statistic} of |trainer - generator| logprobs over {stats.tokens} probe "
+            f"tokens is {value:.3g} > threshold {threshold:.3g} (grpo.refit_check.{_KEYS[statistic]})"
+            f"{location}. The generator is not running the trainer's weights (a missed tensor, a stale "
+            f"tied lm_head or prefix cache, a wrong dtype cast) or the two disagree on temperature or dtype."
         )
 
 
-def check_refit(
-    trainer_logprobs: list[list[float]], generator_logprobs: list[list[float]], threshold: float
-) -> float:
-    """Max absolute logprob difference over a probe batch; raises `RefitMismatchError` above
-    `threshold`. Both inputs are per-sequence lists of per-token logprobs of the same tokens.
-    A NaN anywhere counts as an infinite difference."""
+_KEYS = {"max_abs_diff": "max_abs_logprob_diff", "mean_abs_diff": "max_mean_abs_logprob_diff"}
+
+
+def refit_stats(trainer_logprobs: list[list[float]], generator_logprobs: list[list[float]]) -> RefitStats:
+    """The statistics of a probe batch; both inputs are per-sequence lists of per-token
+    logprobs of the same tokens. A NaN anywhere counts as an infinite difference."""
     if len(trainer_logprobs) != len(generator_logprobs):
         raise ValueError(
             f"refit check: {len(trainer_logprobs)} trainer sequences vs "
             f"{len(generator_logprobs)} generator sequences"
         )
-    worst, where, values = 0.0, None, (None, None)
+    worst, where, n, total, mult, kl = 0.0, None, 0, 0.0, 0.0, 0.0
     for i, (a_seq, b_seq) in enumerate(zip(trainer_logprobs, generator_logprobs)):
         if len(a_seq) != len(b_seq):
             raise ValueError(
@@ -57,14 +104,34 @@ def check_refit(
                 f"{len(b_seq)} generator logprobs"
             )
         for j, (a, b) in enumerate(zip(a_seq, b_seq)):
-            diff = abs(float(a) - float(b))
-            if math.isnan(diff):
-                diff = math.inf
+            d = float(a) - float(b)
+            diff = math.inf if math.isnan(d) else abs(d)
+            n, total = n + 1, total + diff
+            mult += math.exp(min(diff, 700.0))
+            kl += math.inf if not math.isfinite(d) or d > 700 else math.exp(d) - 1.0 - d
             if diff > worst or where is None:
-                worst, where, values = diff, (i, j), (float(a), float(b))
-    if worst > threshold:
-        raise RefitMismatchError(worst, threshold, where, *values)
-    return worst
+                worst, where = diff, (i, j, float(a), float(b))
+    count = max(n, 1)
+    return RefitStats(worst, total / count, mult / count if n else 1.0, kl / count, n, where)
+
+
+def gate_refit(trainer_logprobs: list[list[float]], generator_logprobs: list[list[float]],
+               limits: RefitLimits) -> RefitStats:
+    """`refit_stats`, raising `RefitMismatchError` when a gated statistic exceeds its limit."""
+    stats = refit_stats(trainer_logprobs, generator_logprobs)
+    for statistic in ("max_abs_diff", "mean_abs_diff"):
+        threshold = getattr(limits, statistic)
+        if threshold is not None and not getattr(stats, statistic) <= threshold:
+            raise RefitMismatchError(stats, statistic, threshold)
+    return stats
+
+
+def check_refit(
+    trainer_logprobs: list[list[float]], generator_logprobs: list[list[float]], threshold: float
+) -> float:
+    """Max absolute logprob difference over a probe batch; raises `RefitMismatchError` above
+    `threshold` (the max-only gate of `gate_refit`)."""
+    return gate_refit(trainer_logprobs, generator_logprobs, RefitLimits(threshold, None)).max_abs_diff
 
 
 def iter_refit_tensors(model: torch.nn.Module, gather: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
@@ -117,4 +184,5 @@ def state_dict_for_refit(
     return out
 
 
-__all__ = ["RefitMismatchError", "check_refit", "iter_refit_tensors", "state_dict_for_refit"]
+__all__ = ["DEFAULT_LIMITS", "RefitLimits", "RefitMismatchError", "RefitStats", "check_refit", "gate_precision", "gate_refit",
+           "refit_stats", "iter_refit_tensors", "state_dict_for_refit"]

@@ -47,17 +47,24 @@ class ForwardRoot(torch.nn.Module):
         return fn(self.model, *args, **kwargs)
 
 
-def shard(model: torch.nn.Module, mesh, cpu_offload: bool = False) -> ForwardRoot:
+def shard(model: torch.nn.Module, mesh, cpu_offload: bool = False,
+          compute_dtype: torch.dtype = torch.float32) -> ForwardRoot:
     """fully_shard every decoder layer, then the root (a `ForwardRoot`, which holds the rest).
 
     The loss of each rank is already divided by the global token (or sequence) count, so the
     ranks' gradients are summed: divide factor 1 with plain SUM collectives (gloo has no
     PREMUL_SUM, and a SUM with factor 1 needs no scaling pass on NCCL either). Every unit,
     the root too, frees its gathered parameters after forward: between calls each rank holds
-    only its shards, which is what the checkpoint and refit gathers expect."""
+    only its shards, which is what the checkpoint and refit gathers expect. A compute dtype
+    other than fp32 shards with `precision.fsdp_policy` (fp32 shards, compute-dtype gathers,
+    fp32 reduce-scatter)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 
+    from grpo_train.policy.precision import fsdp_policy
+
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": True}
+    if (mp := fsdp_policy(compute_dtype)) is not None:
+        kwargs["mp_policy"] = mp
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for layer in model.model.layers:

@@ -20,13 +20,13 @@ from grpo_train.config.schema import LossConfig, PolicyConfig
 from grpo_train.policy import fsdp, microbatch
 from grpo_train.policy.logprobs import packed_logprobs, sequence_logprobs
 from grpo_train.policy.optim import apply_optimizer_config, build_optimizer, build_scheduler
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from grpo_train.policy.precision import DTYPES, MasterWeights, cast_parameters, compute_tensors
 # Metrics of clipped_pg_loss that are min/max rather than partial sums.
 _MIN_METRICS = ("ratio_min", "clipped_ratio_min")
 _MAX_METRICS = ("ratio_max", "clipped_ratio_max")
 # Tokenizer files of the source model that a checkpoint's model folder carries along, so that the
 # folder loads alone (vLLM in `grpo eval --checkpoint` reads its tokenizer from the model folder).
+MASTERS_FILE = "master_weights.safetensors"  # fp32 masters of a mixed-precision run (model/ holds the compute dtype)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
 # The worker's non-weight state: key in `read_checkpoint`'s dict -> state file stem (state_io).
@@ -34,15 +34,19 @@ STATE_FILES = {"optimizer": "optimizer", "scheduler": "scheduler", "rng": "torch
 
 
 def read_checkpoint(folder: Path) -> dict:
-    """A policy checkpoint folder (written by `PolicyWorker.save`) in memory: model (HF
-    safetensors), optimizer, scheduler and torch RNG state (state files, no pickle)."""
+    """A policy checkpoint folder (written by `PolicyWorker.save`) in memory: model weights
+    (the fp32 masters of a mixed-precision run, else the HF safetensors), optimizer, scheduler
+    and torch RNG state (state files, no pickle)."""
     from safetensors.torch import load_file
 
     from grpo_train.state_io import load_state
 
     model: dict[str, torch.Tensor] = {}
-    for shard in sorted((folder / "model").glob("*.safetensors")):
-        model.update(load_file(shard))
+    if (folder / MASTERS_FILE).is_file():
+        model = load_file(folder / MASTERS_FILE)
+    else:
+        for shard in sorted((folder / "model").glob("*.safetensors")):
+            model.update(load_file(shard))
     return {"model": model, **{key: load_state(folder, stem) for key, stem in STATE_FILES.items()}}
 
 
@@ -68,12 +72,17 @@ class PolicyWorker:
         self.rank, self.world_size = rank, world_size
         self.model_path = model_path
         self.temperature = policy_cfg.generation.temperature
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[policy_cfg.precision])
+        # fp32 masters, compute in policy.precision (precision.py): loaded in fp32, then the
+        # module's parameters become the compute copy; the frozen reference computes alike.
+        self.dtype = DTYPES[policy_cfg.precision]
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         self.model.train()
         self.reference = None
         if loss_cfg.reference_policy_kl_penalty > 0:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
-        self.optimizer = build_optimizer(self.model.parameters(), policy_cfg.optimizer)
+            cast_parameters(self.reference, self.dtype)
+        self.master = MasterWeights(self.model, self.dtype)
+        self.optimizer = build_optimizer(self.master.parameters(), policy_cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, policy_cfg.scheduler)
         self._sharded = False  # FSDP2: set by init_distributed
         self._roots: dict[int, torch.nn.Module] = {}  # id(model) -> its FSDP2 root (fsdp.ForwardRoot)
@@ -179,6 +188,7 @@ class PolicyWorker:
             if i >= len(plan):  # keeps this rank in step: gradients of exactly zero
                 curr = self._microbatch_logprobs(self.model, *self._dummy(batch, planner, lengths))
                 (curr.sum() * 0.0).backward()
+                self.master.accumulate()
                 continue
             curr = self._microbatch_logprobs(self.model, batch, plan[i])  # [rows, W]
             mb = microbatch.rows_of(batch, plan[i].rows, curr.shape[1], curr.device)
@@ -187,6 +197,7 @@ class PolicyWorker:
                 mb["token_mask"], mb["sample_mask"], self.loss_cfg, global_tokens, global_seqs,
             )
             loss.backward()
+            self.master.accumulate()  # fp32 gradients (under FSDP2: its fp32 reduce-scatter)
             sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
             for key, value in m.items():
                 if key == "loss":  # summed just above (counting it twice reported 2x the loss)
@@ -201,38 +212,58 @@ class PolicyWorker:
         sums.setdefault("loss", 0.0)  # a rank given no rows adds nothing
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else math.inf
         self._reduce_gradients()
-        grad_norm = fsdp.clip_grad_norm(list(self.model.parameters()), max_norm)
+        grad_norm = fsdp.clip_grad_norm(self.master.parameters(), max_norm)
         if not (math.isfinite(sums["loss"]) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteLossError(f"non-finite training step: loss={sums['loss']}, grad_norm={grad_norm}; "
                                      "the optimizer step was skipped and the last checkpoint is intact")
         self.optimizer.step()
+        self.master.refresh()
         self.scheduler.step()
         sums.update(grad_norm=grad_norm, lr=lr)
         return sums
 
     # ------------------------------------------------------------------- weights and state
     def weights(self) -> dict[str, torch.Tensor]:
-        """HF-named contiguous CPU tensors for the generator (tied weights appear once)."""
-        from grpo_train import weight_sync
+        """HF-named contiguous CPU tensors for the generator (tied weights appear once), in the
+        compute dtype."""
+        return {name: t.to("cpu").contiguous() for name, t in self._refit_tensors()}
 
-        return weight_sync.state_dict_for_refit(self.model)
+    def _refit_tensors(self, gather: bool = True):
+        """What a refit pushes: `weight_sync.iter_refit_tensors` in the compute dtype (under
+        FSDP2 the gathered tensors are the fp32 masters; unsharded, the compute copy already is)."""
+        from grpo_train.weight_sync import iter_refit_tensors
+
+        return compute_tensors(iter_refit_tensors(self.model, gather=gather), self.dtype)
+
+    def master_weights(self) -> dict[str, torch.Tensor]:
+        """The fp32 master weights by parameter name on CPU (full tensors: under FSDP2 every rank
+        calls it, to gather)."""
+        if not self._sharded:
+            return self.master.state()
+        return {name: fsdp.full(p.detach()).to("cpu", copy=True) for name, p in self.model.named_parameters()}
 
     def save(self, folder: str) -> None:
-        """Rank 0 writes the full model (HF safetensors), optimizer, scheduler and RNG state.
+        """Rank 0 writes the full model (HF safetensors in the compute dtype), the fp32 masters
+        when they differ from it (`MASTERS_FILE`), optimizer, scheduler and RNG state.
         Every rank calls it: under FSDP2 the ranks gather the full tensors together, so a
         sharded checkpoint has the unsharded format (and `grpo eval --checkpoint` reads it).
         Atomicity is the caller's folder (CheckpointManager writes into a temporary one)."""
         from grpo_train.state_io import save_state
 
         keep = self.rank == 0
-        model_state = fsdp.full_model_state(self.model) if self._sharded else None
+        masters = fsdp.full_model_state(self.model) if self._sharded else self.master.state()
         optimizer_state = (fsdp.full_optimizer_state(self.optimizer, keep) if self._sharded
                            else self.optimizer.state_dict())
         if not keep:
             return
         folder = Path(folder)
+        model_state = dict(compute_tensors(masters.items(), self.dtype)) if self._sharded else None
         self.model.save_pretrained(folder / "model", state_dict=model_state, safe_serialization=True)
+        if self.dtype != torch.float32:
+            from safetensors.torch import save_file
+
+            save_file({k: v.detach().clone().contiguous() for k, v in masters.items()}, str(folder / MASTERS_FILE))
         self._copy_tokenizer(folder / "model")
         states = {"optimizer": optimizer_state, "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state()}
         for key, stem in STATE_FILES.items():
@@ -251,10 +282,13 @@ class PolicyWorker:
         folder = Path(folder)
         if not self._sharded:
             ckpt = read_checkpoint(folder)
-            missing, unexpected = self.model.load_state_dict(ckpt["model"], strict=False)
-            tied = {k for k in missing if self.model.config.tie_word_embeddings and k.endswith("lm_head.weight")}
-            if set(missing) - tied or unexpected:
-                raise RuntimeError(f"checkpoint {folder} does not match the model: missing {missing}, unexpected {unexpected}")
+            unexpected = sorted(ckpt["model"].keys() - self.model.state_dict().keys())
+            error = self.master.load(ckpt["model"]) if not unexpected else f"unexpected {unexpected}"
+            if not error:  # persistent buffers, if the model has any (the parameters are the masters' cast)
+                self.model.load_state_dict({k: v for k, v in ckpt["model"].items()
+                                            if k not in self.master.names}, strict=False)
+            if error:
+                raise RuntimeError(f"checkpoint {folder} does not match the model: {error}")
             self.optimizer.load_state_dict(ckpt["optimizer"])
         else:
             ckpt = self._scatter_checkpoint(read_checkpoint(folder) if self.rank == 0 else None, folder)
@@ -327,13 +361,15 @@ class PolicyWorker:
         if device_type == "cuda":
             self.model.to(torch.device("cuda", torch.cuda.current_device()))
         mesh = init_device_mesh(device_type, (self.world_size,))
+        self.master.release()  # the module back in fp32: FSDP2's shards are the masters
         for model in (self.model, self.reference):
             if model is not None:
                 model.to(self.model.device)
                 offload = self.cfg.dtensor_cfg.cpu_offload and device_type == "cuda"  # CPU ranks are there already
-                self._roots[id(model)] = fsdp.shard(model, mesh, offload)
+                self._roots[id(model)] = fsdp.shard(model, mesh, offload, self.dtype)
         # The optimizer must hold the sharded parameters; it has no state yet.
-        self.optimizer = build_optimizer(self.model.parameters(), self.cfg.optimizer)
+        self.master = MasterWeights(self.model, torch.float32)
+        self.optimizer = build_optimizer(self.master.parameters(), self.cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, self.cfg.scheduler)
         self._sharded = True
 
@@ -343,11 +379,14 @@ class PolicyWorker:
         FSDP2 reduces its own gradients during backward."""
         if self.world_size == 1 or self._sharded:
             return
-        sum_gradients(self.model.parameters())
+        sum_gradients(self.master.parameters())  # the fp32 gradients
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """The last optimizer step's (reduced) gradients by parameter name, on CPU (full tensors:
         under FSDP2 every rank calls it, to gather)."""
+        if not self._sharded:
+            return {name: m.grad.detach().to("cpu", copy=True)
+                    for name, m in zip(self.master.names, self.master.parameters()) if m.grad is not None}
         return {name: fsdp.full(p.grad.detach()).to("cpu", copy=True)
                 for name, p in self.model.named_parameters() if p.grad is not None}
 
@@ -355,10 +394,9 @@ class PolicyWorker:
         return "nccl" if torch.cuda.is_available() else "gloo"
 
     def weight_metadata(self) -> list:
-        from grpo_train.weight_sync import iter_refit_tensors
         from grpo_train.weight_transport import tensor_metadata
 
-        return tensor_metadata(iter_refit_tensors(self.model, gather=False))
+        return tensor_metadata(self._refit_tensors(gather=False))
 
     def open_weight_group(self, host: str, port: int, world_size: int, backend: str) -> None:
         """Rank 0 only: join the collective weight transport's group as its source (rank 0)."""
@@ -369,16 +407,15 @@ class PolicyWorker:
     def send_weights(self, bucket_bytes: int) -> int:
         """Broadcast the weights in buckets (rank 0); under FSDP2 the other ranks call it too, to
         take part in gathering each full tensor. Returns the number of buckets sent."""
-        from grpo_train.weight_sync import iter_refit_tensors
         from grpo_train.weight_transport import send_buckets, tensor_metadata
 
         if self._weight_group is None:
-            for _ in iter_refit_tensors(self.model):
+            for _ in self._refit_tensors():
                 pass
             return 0
-        metas = tensor_metadata(iter_refit_tensors(self.model, gather=False))
+        metas = tensor_metadata(self._refit_tensors(gather=False))
         device = self.model.device if self.collective_backend() == "nccl" else torch.device("cpu")
-        tensors = (t for _, t in iter_refit_tensors(self.model))
+        tensors = (t for _, t in self._refit_tensors())
         return send_buckets(self._weight_group, tensors, metas, bucket_bytes, device)
 
     def ipc_handles(self) -> dict[str, list]:
@@ -386,8 +423,6 @@ class PolicyWorker:
         by the device's UUID so that the vLLM worker on the same GPU picks them."""
         from torch.multiprocessing.reductions import reduce_tensor
 
-        from grpo_train.weight_sync import iter_refit_tensors
-
-        self._ipc_tensors = [(name, t.contiguous()) for name, t in iter_refit_tensors(self.model)]
+        self._ipc_tensors = [(name, t.contiguous()) for name, t in self._refit_tensors()]
         uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
         return {uuid: [(name, reduce_tensor(t)) for name, t in self._ipc_tensors]}

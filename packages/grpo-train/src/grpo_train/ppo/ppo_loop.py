@@ -64,7 +64,7 @@ def train_ppo(cfg: GRPOMasterConfig, parts: PPOComponents, logger, checkpoints, 
             if refit.enabled and state.weight_version % refit.period == 0:
                 with timer("refit_check"):
                     probe = result.rollouts[: refit.num_probe_sequences]
-                    metrics["refit/max_abs_logprob_diff"] = check_refit(cfg, parts.policy, parts.generator, probe)
+                    metrics |= check_refit(cfg, parts.policy, parts.generator, probe)
 
         state.step = step
         state.epoch = getattr(parts.train_data, "epoch", 0)

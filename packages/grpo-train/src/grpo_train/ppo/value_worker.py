@@ -21,9 +21,11 @@ from grpo_train.config.schema import ValueConfig, ValueLossConfig
 from grpo_train.policy import microbatch
 from grpo_train.policy.logprobs import packed_hidden_states
 from grpo_train.policy.optim import apply_optimizer_config, build_optimizer, build_scheduler
-from grpo_train.policy.worker import DTYPES, NonFiniteLossError
+from grpo_train.policy.precision import DTYPES, MasterWeights
+from grpo_train.policy.worker import NonFiniteLossError
 from grpo_train.ppo.value_loss import value_loss_fn
 
+MASTERS_FILE = "master_weights.safetensors"  # fp32 masters of a mixed-precision run
 HEAD_FILE = "value_head.safetensors"
 
 
@@ -83,9 +85,11 @@ class ValueWorker:
         # The device comes from the caller (the cluster config), not from what is visible: Ray
         # leaves GPUs visible to actors that asked for none.
         self.device = torch.device(device)
-        self.model = ValueModel(model_path, DTYPES[cfg.precision]).to(self.device)
+        # fp32 masters, compute in value.precision: the policy's mixed precision (precision.py).
+        self.model = ValueModel(model_path, torch.float32).to(self.device)
         self.model.train()
-        self.optimizer = build_optimizer(self.model.parameters(), cfg.optimizer)
+        self.master = MasterWeights(self.model, DTYPES[cfg.precision])
+        self.optimizer = build_optimizer(self.master.parameters(), cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.scheduler)
 
     def _microbatch_values(self, batch: dict[str, torch.Tensor], mb: microbatch.MicroBatch) -> torch.Tensor:
@@ -132,23 +136,26 @@ class ValueWorker:
             loss, m = value_loss_fn(values, x["values"], x["returns"], x["token_mask"], x["sample_mask"],
                                     self.loss_cfg, tokens, seqs)
             loss.backward()
+            self.master.accumulate()
             for key, value in {"value_loss": loss.detach(), **m}.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
         if self.world_size > 1:
-            sum_gradients(self.model.parameters())
+            sum_gradients(self.master.parameters())  # fp32
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.master.parameters(), max_norm))
         if not (math.isfinite(sums["value_loss"]) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteLossError(f"non-finite value step: loss={sums['value_loss']}, grad_norm={grad_norm}; "
                                      "the optimizer step was skipped and the last checkpoint is intact")
         self.optimizer.step()
+        self.master.refresh()
         self.scheduler.step()
         return sums | {"value_grad_norm": grad_norm, "value_lr": lr}
 
     # ------------------------------------------------------------------- weights and state
     def save(self, folder: str) -> None:
-        """Weights (HF backbone + head safetensors), optimizer, scheduler, RNG. One rank saves."""
+        """Weights (HF backbone + head safetensors in the compute dtype, and the fp32 masters
+        when they differ), optimizer, scheduler, RNG. One rank saves."""
         from safetensors.torch import save_file
 
         from grpo_train.state_io import save_state
@@ -156,6 +163,8 @@ class ValueWorker:
         folder = Path(folder)
         self.model.backbone.save_pretrained(folder / "model", safe_serialization=True)
         save_file({k: v.contiguous() for k, v in self.model.head.state_dict().items()}, str(folder / "model" / HEAD_FILE))
+        if self.master.mixed:
+            save_file({k: v.contiguous() for k, v in self.master.state().items()}, str(folder / MASTERS_FILE))
         save_state(self.optimizer.state_dict(), folder, "optimizer")
         save_state(self.scheduler.state_dict(), folder, "scheduler")
         save_state(torch.get_rng_state(), folder, "torch_rng")
@@ -173,18 +182,26 @@ class ValueWorker:
                 backbone.update(load_file(shard))
         self.model.backbone.load_state_dict(backbone, strict=True)
         self.model.head.load_state_dict(load_file(folder / "model" / HEAD_FILE, device=str(self.device)), strict=True)
+        if (folder / MASTERS_FILE).is_file():
+            error = self.master.load(load_file(folder / MASTERS_FILE))
+        else:  # an fp32 checkpoint: its weights are the masters
+            error = self.master.load({f"backbone.{k}": v for k, v in backbone.items()}
+                                     | {f"head.{k}": v for k, v in self.model.head.state_dict().items()})
+        if error:
+            raise RuntimeError(f"value checkpoint {folder} does not match the model: {error}")
         self.optimizer.load_state_dict(load_state(folder, "optimizer"))
         self.scheduler.load_state_dict(load_state(folder, "scheduler"))
         apply_optimizer_config(self.optimizer, self.scheduler, self.cfg.optimizer)
         torch.set_rng_state(load_state(folder, "torch_rng"))
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """Every parameter by name, on CPU."""
-        return {name: p.detach().to("cpu").clone() for name, p in self.model.named_parameters()}
+        """Every parameter by name (the fp32 masters), on CPU."""
+        return self.master.state()
 
     def gradients(self) -> dict[str, torch.Tensor]:
-        """The last optimizer step's (summed) gradients by parameter name, on CPU."""
-        return {name: p.grad.detach().to("cpu").clone() for name, p in self.model.named_parameters() if p.grad is not None}
+        """The last optimizer step's (summed, fp32) gradients by parameter name, on CPU."""
+        return {name: m.grad.detach().to("cpu").clone()
+                for name, m in zip(self.master.names, self.master.parameters()) if m.grad is not None}
 
     def ping(self) -> int:
         return os.getpid()
