@@ -154,6 +154,48 @@ def test_cpu_default_is_the_gloo_all_reduce_and_true_shards():
     assert not uses_fsdp(DTensorConfig(enabled=False), on_gpu=True, world_size=8)
 
 
+# Runs before the module fixture starts its two groups: the session cluster has room for one
+# 2-rank group beside them, not two.
+@pytest.mark.slow
+def test_bf16_mixed_precision_ranks_reduce_fp32_gradients_as_one_worker(ray_session, tiny_qwen2_dir, tmp_path):
+    """policy.precision=bfloat16 on two FSDP2 ranks (MixedPrecisionPolicy: fp32 shards, bf16
+    gathers, fp32 reduce-scatter) against one unsharded worker (fp32 masters, bf16 compute
+    copy): the same bf16 logprobs, the same fp32 gradients (summed over the ranks in fp32) and
+    fp32 masters; the refit carries the masters' bf16 cast, in the checkpoint the masters stay fp32."""
+    from grpo_train.policy.worker import PolicyWorker
+
+    # Micro-batches of 4 rows: the single worker's two are the two ranks' shards, so each bf16
+    # forward/backward is the same computation on both sides and only the fp32 sums remain.
+    def cfg(n: int) -> PolicyConfig:
+        return policy_cfg(n, precision="bfloat16").model_copy(update={"train_micro_batch_size": 4,
+                                                                      "logprob_batch_size": 4})
+
+    group = PolicyGroup(tiny_qwen2_dir, cfg(2), LOSS, ClusterConfig(), seed=0, num_threads=1)
+    try:
+        torch.set_num_threads(1)
+        single = PolicyWorker(tiny_qwen2_dir, cfg(1), LOSS, seed=0)
+        single.save(str(tmp_path / "start"))
+        ray.get(group.load.remote(str(tmp_path / "start")))
+        assert group._sharded
+        one = prepare(make_batch(8, seed=0), single.logprobs)
+        two = prepare(make_batch(8, seed=0), group_logprobs(group))
+        torch.testing.assert_close(two["prev_logprobs"], one["prev_logprobs"], rtol=0, atol=0)
+        m1, m2 = single.train(one), ray.get(group.train.remote(two))
+        assert_metrics_close(m2, m1)
+        grads = ray.get(group.gradients.remote())
+        assert {g.dtype for g in grads.values()} == {torch.float32}
+        assert_close_rel(grads, single.gradients(), "fp32-reduced gradients")
+        ray.get(group.save.remote(str(tmp_path / "saved")))
+        masters = load_file(tmp_path / "saved" / "master_weights.safetensors")
+        assert {t.dtype for t in masters.values()} == {torch.float32}
+        assert_close_rel({k: masters[k] for k in single.master_weights()}, single.master_weights(), "masters")
+        pushed = collective_refit(group)
+        assert {t.dtype for t in pushed.values()} == {torch.bfloat16}
+        assert all(torch.equal(t, masters[name].bfloat16()) for name, t in pushed.items())
+    finally:
+        group.close()
+
+
 def test_fsdp_ranks_match_one_worker_and_refit_full_weights(fsdp_group, tiny_qwen2_dir, tmp_path):
     """Two optimizer steps (16 rows, 8 per step): logprobs, loss, grad norm, gradients and
     updated weights of the sharded ranks equal the single worker's; both transports carry
@@ -236,43 +278,3 @@ def test_one_row_on_two_sharded_ranks_is_the_single_worker_step(fsdp_group, tiny
     assert_metrics_close(m2, m1)
     assert m2.keys() == m1.keys()
     assert_close_rel(ray.get(fsdp_group.weights.remote()), single.weights(), "weights")
-
-
-@pytest.mark.slow
-def test_bf16_mixed_precision_ranks_reduce_fp32_gradients_as_one_worker(ray_session, tiny_qwen2_dir, tmp_path):
-    """policy.precision=bfloat16 on two FSDP2 ranks (MixedPrecisionPolicy: fp32 shards, bf16
-    gathers, fp32 reduce-scatter) against one unsharded worker (fp32 masters, bf16 compute
-    copy): the same bf16 logprobs, the same fp32 gradients (summed over the ranks in fp32) and
-    fp32 masters; the refit carries the masters' bf16 cast, in the checkpoint the masters stay fp32."""
-    from grpo_train.policy.worker import PolicyWorker
-
-    # Micro-batches of 4 rows: the single worker's two are the two ranks' shards, so each bf16
-    # forward/backward is the same computation on both sides and only the fp32 sums remain.
-    def cfg(n: int) -> PolicyConfig:
-        return policy_cfg(n, precision="bfloat16").model_copy(update={"train_micro_batch_size": 4,
-                                                                      "logprob_batch_size": 4})
-
-    group = PolicyGroup(tiny_qwen2_dir, cfg(2), LOSS, ClusterConfig(), seed=0, num_threads=1)
-    try:
-        torch.set_num_threads(1)
-        single = PolicyWorker(tiny_qwen2_dir, cfg(1), LOSS, seed=0)
-        single.save(str(tmp_path / "start"))
-        ray.get(group.load.remote(str(tmp_path / "start")))
-        assert group._sharded
-        one = prepare(make_batch(8, seed=0), single.logprobs)
-        two = prepare(make_batch(8, seed=0), group_logprobs(group))
-        torch.testing.assert_close(two["prev_logprobs"], one["prev_logprobs"], rtol=0, atol=0)
-        m1, m2 = single.train(one), ray.get(group.train.remote(two))
-        assert_metrics_close(m2, m1)
-        grads = ray.get(group.gradients.remote())
-        assert {g.dtype for g in grads.values()} == {torch.float32}
-        assert_close_rel(grads, single.gradients(), "fp32-reduced gradients")
-        ray.get(group.save.remote(str(tmp_path / "saved")))
-        masters = load_file(tmp_path / "saved" / "master_weights.safetensors")
-        assert {t.dtype for t in masters.values()} == {torch.float32}
-        assert_close_rel({k: masters[k] for k in single.master_weights()}, single.master_weights(), "masters")
-        pushed = collective_refit(group)
-        assert {t.dtype for t in pushed.values()} == {torch.bfloat16}
-        assert all(torch.equal(t, masters[name].bfloat16()) for name, t in pushed.items())
-    finally:
-        group.close()
