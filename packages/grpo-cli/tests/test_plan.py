@@ -133,3 +133,20 @@ def test_train_refuses_a_plan_that_does_not_fit_before_any_actor(tmp_path, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("grpo: placement plan (see `grpo plan`): GPU 0")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen3"])
+def test_parameter_count_includes_every_expert(name):
+    """MoE memory counts the router and every expert (all resident); checked against the count of
+    a tiny random model that transformers builds from the same config."""
+    import transformers
+
+    common = dict(vocab_size=97, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=8, intermediate_size=48, tie_word_embeddings=False)
+    extra = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1,
+                               mlp_only_layers=[1]),
+             "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+             "qwen3": {}}[name]
+    config = transformers.AutoConfig.for_model(name, **common, **extra)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    assert params_from_config(config.to_dict()) == sum(p.numel() for p in model.parameters())

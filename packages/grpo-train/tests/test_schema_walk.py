@@ -135,6 +135,7 @@ TABLE = {
     "policy.sequence_packing.algorithm": T("packages/grpo-train/tests/test_microbatch.py::test_unknown_packing_algorithm_names_the_key"),
     "policy.make_sequence_length_divisible_by": R("grpo_train/train_step.py"),
     "policy.max_grad_norm": R("grpo_train/policy/worker.py"),
+    "policy.moe_aux_loss_coeff": T("packages/grpo-train/tests/test_moe_aux_loss.py::test_added_term_is_coeff_times_the_models_aux_loss"),
     "policy.optimizer.name": R("grpo_train/policy/optim.py"),
     "policy.optimizer.kwargs": R("grpo_train/policy/optim.py"),
     "policy.scheduler.name": R("grpo_train/policy/optim.py"),

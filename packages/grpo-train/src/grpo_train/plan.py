@@ -41,7 +41,7 @@ class PlanError(ValueError):
 
 # ------------------------------------------------------------------------------ model size
 def params_from_config(c: dict) -> int:
-    """Parameters of a decoder-only transformer (Llama/Qwen2/Mistral layout) from its config.json."""
+    """Parameters of a decoder-only transformer (Llama/Qwen2/Qwen3/Mistral layout, dense or MoE) from its config.json."""
     h, layers, vocab, inter = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"], c["intermediate_size"]
     heads = c["num_attention_heads"]
     head_dim = c.get("head_dim") or h // heads
@@ -49,10 +49,27 @@ def params_from_config(c: dict) -> int:
     attn = h * heads * head_dim * 2 + h * kv * head_dim * 2
     if c.get("attention_bias", c.get("model_type") == "qwen2"):  # Qwen2 has q/k/v biases
         attn += heads * head_dim + 2 * kv * head_dim
-    per_layer = attn + 3 * h * inter + 2 * h
+    if c.get("model_type") in QK_NORM_TYPES:  # per-head RMSNorm on q and k
+        attn += 2 * head_dim
+    mlp = sum(_mlp_params(c, i, h, inter) for i in range(layers))
     embed = vocab * h
     head = 0 if c.get("tie_word_embeddings", False) else vocab * h
-    return embed + layers * per_layer + h + head
+    return embed + layers * (attn + 2 * h) + mlp + h + head
+
+
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")
+
+
+def _mlp_params(c: dict, layer: int, h: int, inter: int) -> int:
+    """One layer's MLP: dense gate/up/down, or (MoE layers) a router plus every expert, all of
+    which stay resident in memory (Qwen2/3-MoE `num_experts`, Mixtral `num_local_experts`)."""
+    experts = c.get("num_experts") or c.get("num_local_experts") or 0
+    step = c.get("decoder_sparse_step") or 1
+    if not experts or layer in (c.get("mlp_only_layers") or ()) or (layer + 1) % step:
+        return 3 * h * inter
+    moe_inter = c.get("moe_intermediate_size") or inter
+    shared = c.get("shared_expert_intermediate_size") or 0
+    return h * experts + experts * 3 * h * moe_inter + (3 * h * shared + h if shared else 0)
 
 
 def params_from_safetensors(folder: Path) -> int | None:

@@ -64,8 +64,8 @@ def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None =
     from grpo_train.loggers import MetricsLogger
     from grpo_train.policy.worker import NonFiniteLossError
     from grpo_train.run_state import TrainerState, restore_checkpoint
-    from grpo_train.setup import (actor_env_vars, build_components, check_plan, check_supported, init_ray,
-                                   resolve_model_path)
+    from grpo_train.setup import (actor_env_vars, build_components, check_model_options, check_plan,
+                                  check_supported, init_ray, resolve_model_path)
     from grpo_train.state_io import StateFileError
     from grpo_train.sync_loop import total_steps, train_sync
 
@@ -78,6 +78,7 @@ def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None =
         for warning in check_supported(cfg):
             say(f"warning: {warning}")
         model_path = resolve_model_path(cfg.policy.model_name)
+        check_model_options(cfg, model_path)
         check_plan(cfg, model_path)
     except StartupError as exc:
         say(str(exc))

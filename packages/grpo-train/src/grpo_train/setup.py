@@ -87,6 +87,19 @@ def check_plan(cfg: GRPOMasterConfig, model_path: str):
     return plan
 
 
+def check_model_options(cfg: GRPOMasterConfig, model_path: str) -> None:
+    """Refuse options the model cannot honour, at their key path, before any actor starts."""
+    if cfg.policy.moe_aux_loss_coeff > 0:
+        from transformers import AutoConfig
+
+        from grpo_train.policy.moe_aux import NotMoEError, check_moe_config
+
+        try:
+            check_moe_config(AutoConfig.from_pretrained(model_path))
+        except NotMoEError as exc:
+            raise StartupError(f"policy.moe_aux_loss_coeff: {exc}") from None
+
+
 def init_ray(cluster_cfg, env_vars: dict[str, str]) -> None:
     import ray
 

