@@ -35,7 +35,11 @@ def test_kernels_wheel_installs_alone_with_pip(tmp_path):
     # The CPU torch wheel comes from the repo's ./wheels link (made by scripts/bootstrap.sh).
     links = ROOT / "wheels"
     env = {**os.environ, "PIP_FIND_LINKS": str(links)}
-    run([str(py), "-m", "pip", "install", "-q", "torch==2.13.0+cpu", str(wheel)], env=env)
+    # torch (the one heavy dependency, ~800 MB) comes from uv's cache in seconds; pip then
+    # installs the grpo-kernels wheel itself and checks its requirements against what is there.
+    run([*uv_cmd(), "pip", "install", "-q", "--python", str(py), "--find-links", str(links),
+         "torch==2.13.0+cpu"], env=env)
+    run([str(py), "-m", "pip", "install", "-q", str(wheel)], env=env)
     code = (
         "import grpo_kernels, grpo_kernels._C as C, numpy as np;"
         "bins = C.pack_first_fit_decreasing(np.array([5, 3, 4, 2], dtype=np.int64), 8);"
