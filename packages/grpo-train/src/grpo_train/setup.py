@@ -123,8 +123,6 @@ def threads_per_actor() -> int:
     """Torch threads per actor. Generation, training and environments take turns, but OpenMP
     threads spin while waiting: on a small machine more threads than half the cores made a
     tiny model's forward 17x slower (measured on 2 cores under load)."""
-    if os.environ.get("GRPO_EXP_THREADS"):
-        return int(os.environ["GRPO_EXP_THREADS"])
     return max(1, (os.cpu_count() or 1) // 2)
 
 
@@ -133,8 +131,6 @@ def actor_env_vars() -> dict[str, str]:
     threads = str(threads_per_actor())
     env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
            "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    if os.environ.get("GRPO_EXP_WAIT"):
-        env["OMP_WAIT_POLICY"] = os.environ["GRPO_EXP_WAIT"]
     for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME", "VLLM_CPU_KVCACHE_SPACE", "PYTHONPATH"):
         if key in os.environ:
             env[key] = os.environ[key]
