@@ -129,6 +129,8 @@ def test_console_line_format():
         "step 12/60 | reward 0.62 acc 0.62 | loss -0.013 kl 0.0021 | gn 0.41 lr 1.0e-04 | 0.93 s/step 2.1k tok/s"
     )
     assert format_train_line({"loss": 0.5}, 3, 100) == "step   3/100 | loss 0.5"
+    # the first step of a process also carries its start-up time (process start -> first step)
+    assert format_train_line({"loss": 0.5, "timing/startup_s": 12.34}, 1, 100) == "step   1/100 | loss 0.5 | start-up 12.3 s"
     assert format_val_line({"pass@8": 0.9, "accuracy": 0.71, "pass@1": 0.71}, 10) == (
         "val step 10 | accuracy 0.71 pass@1 0.71 pass@8 0.90"
     )

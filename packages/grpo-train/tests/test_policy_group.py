@@ -99,6 +99,15 @@ def test_two_data_parallel_workers_match_one_worker(gloo_group, tiny_qwen2_dir, 
         assert rel_err(w2[name], w1[name]) <= RTOL, name
 
 
+def test_logprobs_and_reference_in_one_call_equal_the_two_calls_bitwise(gloo_group):
+    """The loop's one round trip for prev and ref logprobs returns exactly the two separate calls."""
+    batch = make_batch(B=7, seed=5)  # 7 rows: ranks get 4 and 3 rows, the halves are concatenated
+    separate = prepare(batch, lambda b, **kw: ray.get(gloo_group.logprobs.remote(b, **kw)))
+    both = ray.get(gloo_group.logprobs_and_reference.remote(batch))
+    assert both.shape == (2, *batch["input_ids"].shape)
+    assert torch.equal(both[0], separate["prev_logprobs"]) and torch.equal(both[1], separate["ref_logprobs"])
+
+
 def test_one_row_on_two_ranks_is_the_single_worker_step(gloo_group, tiny_qwen2_dir, tmp_path):
     """A batch smaller than the ranks: rank 0 gets no rows, runs a pad-token micro-batch (zero
     gradient) and still joins the all-reduces; the result is the single worker's."""

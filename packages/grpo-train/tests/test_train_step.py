@@ -14,7 +14,8 @@ import torch
 from grpo_train.batch import Rollout
 from grpo_train.config import validate_config_dict
 from grpo_train.policy.worker import pg_loss_config
-from grpo_train.train_step import add_advantages, prepare_batch
+from grpo_train import train_step
+from grpo_train.train_step import add_advantages, add_logprobs, prepare_batch, process_age_s
 
 torch.set_num_threads(1)
 
@@ -111,3 +112,52 @@ def test_kl_in_reward_refuses_the_loss_only_kl_options():
     with pytest.raises(ConfigError) as info:
         cfg(group=2, loss_fn={"use_kl_in_reward": True, "use_on_policy_kl_approximation": True})
     assert info.value.key == "loss_fn.use_kl_in_reward"
+
+
+class RecordingPolicy:
+    """A policy stand-in: records each call; `.remote` answers at once (ray.get is patched to the identity)."""
+
+    def __init__(self, rows: int, cols: int):
+        self.calls: list[str] = []
+        self.prev, self.ref = torch.full((rows, cols), -1.0), torch.full((rows, cols), -2.0)
+        outer = self
+
+        class Method:
+            def __init__(self, name, answer):
+                self.name, self.answer = name, answer
+
+            def remote(self, batch, **kwargs):
+                outer.calls.append(self.name + ("(reference)" if kwargs.get("reference") else ""))
+                return self.answer(kwargs)
+
+        self.logprobs = Method("logprobs", lambda kw: self.ref if kw.get("reference") else self.prev)
+        self.logprobs_and_reference = Method("logprobs_and_reference", lambda kw: torch.stack([self.prev, self.ref]))
+
+
+@pytest.mark.parametrize("beta, calls", [(0.01, ["logprobs_and_reference"]), (0.0, ["logprobs"])])
+def test_add_logprobs_asks_for_prev_and_ref_in_one_call(monkeypatch, beta, calls):
+    monkeypatch.setattr(train_step.ray, "get", lambda ref: ref)
+    policy = RecordingPolicy(3, 4)
+    batch = {"input_ids": torch.zeros(3, 4, dtype=torch.long)}
+    add_logprobs(cfg(loss_fn={"reference_policy_kl_penalty": beta}), policy, batch)
+    assert policy.calls == calls
+    assert torch.equal(batch["prev_logprobs"], policy.prev)
+    if beta:
+        assert torch.equal(batch["ref_logprobs"], policy.ref)
+        assert batch["prev_logprobs"].untyped_storage().nbytes() == 3 * 4 * 4  # its own storage, not the pair's
+    else:
+        assert "ref_logprobs" not in batch
+
+
+def test_process_age_counts_from_the_process_start():
+    """A child sleeps 1 s before it imports and asks: its age lies between the sleep and the
+    parent's stopwatch around the whole child."""
+    import subprocess
+    import sys
+    import time
+
+    code = "import time; time.sleep(1.0); from grpo_train.train_step import process_age_s; print(process_age_s())"
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    elapsed = time.perf_counter() - start
+    assert 1.0 <= float(out) <= elapsed

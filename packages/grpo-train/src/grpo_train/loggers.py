@@ -68,6 +68,7 @@ TRAIN_LINE: tuple[tuple[tuple[str, str, Callable[[float], str]], ...], ...] = (
     (("loss", "loss", _significant(2)), ("kl_penalty", "kl", _significant(2))),
     (("grad_norm", "gn", _significant(2)), ("lr", "lr", _scientific)),
     (("timing/step_s", "s/step", _fixed(2)), ("tokens_per_s", "tok/s", _si)),
+    (("timing/startup_s", "start-up", lambda x: f"{x:.1f} s"),),  # first step of a process only
 )
 # Keys whose label follows the number ("0.93 s/step") rather than precedes it ("loss -0.013").
 UNIT_KEYS = frozenset({"timing/step_s", "tokens_per_s"})

@@ -14,7 +14,8 @@ from grpo_train.deadline import SaveDeadline
 from grpo_train.generation.base import SamplingSpec
 from grpo_train.rollout import rollout_batch
 from grpo_train.run_state import TrainerState, save_checkpoint
-from grpo_train.train_step import PhaseTimer, add_advantages, add_logprobs, check_refit, prepare_batch, push_weights
+from grpo_train.train_step import (PhaseTimer, add_advantages, add_logprobs, check_refit, prepare_batch, process_age_s,
+                                   push_weights)
 from grpo_train.validation import validate
 
 # Distinct seeds per step so a resumed run samples exactly what the uninterrupted run sampled.
@@ -95,6 +96,7 @@ def train_sync(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Trainer
     if state.step == 0 and cfg.grpo.val_at_start:
         run_validation(cfg, parts, logger, step=0)
     deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by)
+    startup_s = process_age_s()  # process start -> first step (after the step-0 validation)
     while state.step < last:
         step = state.step + 1
         timer = PhaseTimer()
@@ -124,6 +126,8 @@ def train_sync(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Trainer
         generated_tokens = sum(len(r.response_ids) for r in result.rollouts)
         metrics |= result.env_metrics | sampling_metrics | timer.metrics()
         metrics["tokens_per_s"] = generated_tokens / max(result.generate_s, 1e-9)
+        if startup_s is not None:  # the first step this process runs (a resumed run's too)
+            metrics["timing/startup_s"], startup_s = startup_s, None
         logger.log(metrics, step)
         stop = deadline.step_done() and step < last
         validate_and_save(cfg, parts, logger, checkpoints, state, last, force_save=stop)

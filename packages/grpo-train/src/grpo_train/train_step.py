@@ -6,7 +6,9 @@ Each function is one phase of the loop, shared by the sync and async loops.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
+from pathlib import Path
 
 import ray
 import torch
@@ -114,10 +116,13 @@ def mask_by_logprob_error(cfg: GRPOMasterConfig, batch: dict[str, torch.Tensor])
 
 
 def add_logprobs(cfg: GRPOMasterConfig, policy, batch: dict[str, torch.Tensor]) -> None:
-    """prev (and, when beta > 0, ref) logprobs of the batch under the start-of-step weights."""
-    batch["prev_logprobs"] = ray.get(policy.logprobs.remote(batch))
+    """prev (and, when beta > 0, ref) logprobs of the batch under the start-of-step weights; both
+    in one call to the policy (one round trip, the batch sent once)."""
     if cfg.loss_fn.reference_policy_kl_penalty > 0:
-        batch["ref_logprobs"] = ray.get(policy.logprobs.remote(batch, reference=True))
+        both = ray.get(policy.logprobs_and_reference.remote(batch))  # [2, B, S]
+        batch["prev_logprobs"], batch["ref_logprobs"] = both[0].clone(), both[1].clone()  # own storage each
+    else:
+        batch["prev_logprobs"] = ray.get(policy.logprobs.remote(batch))
 
 
 def push_weights(policy, generator, version: int) -> float:
@@ -153,6 +158,21 @@ def check_refit(cfg: GRPOMasterConfig, policy, generator, probe: list[Rollout]) 
     trainer = ray.get(policy.score.remote(sequences, prompt_lens))
     generated = ray.get(generator.score.remote(sequences, prompt_lens))
     return weight_sync.gate_refit(trainer, generated, refit_limits(cfg)).metrics()
+
+
+_IMPORTED_AT = time.perf_counter()
+
+
+def process_age_s() -> float:
+    """Seconds since this process started, from the kernel's start time on Linux (so interpreter
+    start-up and imports count); elsewhere, since this module was imported."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        started_ticks = int(fields[19])  # field 22 of proc(5), counted after the ")" of the name
+        uptime_s = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime_s - started_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter() - _IMPORTED_AT
 
 
 class PhaseTimer:

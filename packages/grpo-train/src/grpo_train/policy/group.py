@@ -129,6 +129,14 @@ class PolicyGroup(RankGroup):
         return ray.put(torch.cat(ray.get(parts)))  # [B, S]
 
     @remote_method
+    def logprobs_and_reference(self, batch: dict[str, torch.Tensor]):
+        """[2, B, S] current-weight and reference logprobs of `batch`, one call per rank."""
+        self._sleep_generators()
+        rows = split_rows(batch_size(batch), self.world_size)
+        parts = [w.logprobs_and_reference.remote(take_rows(batch, r)) for w, r in zip(self.workers, rows)]
+        return ray.put(torch.cat(ray.get(parts), dim=1))  # [2, B, S]
+
+    @remote_method
     def score(self, sequences: list[list[int]], prompt_lens: list[int]):
         """Rank 0's scores; every rank scores too, because ranks agree on micro-batch counts
         (and run FSDP2's collectives) together."""

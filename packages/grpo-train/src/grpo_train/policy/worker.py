@@ -163,6 +163,12 @@ class PolicyWorker:
         return out
 
     @torch.no_grad()
+    def logprobs_and_reference(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[2, B, S]: `logprobs` under the current weights, then under the reference weights, in
+        one call (the step's prev and ref logprobs in one round trip)."""
+        return torch.stack([self.logprobs(batch), self.logprobs(batch, reference=True)])
+
+    @torch.no_grad()
     def score(self, sequences: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
         """Logprobs of sequences[i][prompt_lens[i]:] under the current weights (refit probe),
         through the same micro-batches (padded, dynamic or packed) as training."""

@@ -1,0 +1,218 @@
+"""grpo vs TRL's GRPOTrainer, side by side in one invocation, on the offline demo's task.
+
+Same bundled model (builtin:arith-tiny, float32, CPU), same prompts (2-digit addition, the
+demo's train/validation generators), same scoring (grpo_envs' first-integer match), batch
+16 prompts x 8 generations in one optimizer step of two 64-row micro-batches, lr 3e-5 constant,
+AdamW (0.9, 0.999, 1e-8, no weight decay), grad-norm clip 1.0, KL 0.01 (k3), ratio clip 0.2,
+token-mean loss over the batch (TRL's "dapo" = grpo's token_level_loss), 8 new tokens at
+temperature 1.0, 40 steps, greedy held-out accuracy on the 256 validation prompts at steps
+0, 10, 20, 30, 40.
+
+Where the two differ (stated in the results file): grpo generates with vLLM (CPU build), TRL
+with transformers' `generate`; grpo's baseline is leave-one-out (its demo config), TRL's the
+group mean; grpo runs a refit check each step (TRL has no separate engine to check).
+
+Usage (needs the benchmark-only group: `uv sync --frozen --group bench`):
+    uv run --no-sync python benchmarks/e2e/bench_vs_trl.py [--steps 40] [--out benchmarks/results/e2e_vs_trl_cpu.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_demo import ROOT, git_commit, machine  # noqa: E402
+
+PROMPTS_PER_STEP, GENERATIONS, MICRO_BATCH = 16, 8, 64
+LR, BETA, CLIP, MAX_NEW_TOKENS, SEED = 3e-5, 0.01, 0.2, 8, 42
+TRAIN_ROWS, TRAIN_SEED, VAL_ROWS, VAL_SEED, DIGITS = 100_000, 1, 256, 2, 2
+VAL_PERIOD = 10
+
+
+def uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+# ------------------------------------------------------------------------------ TRL side
+def trl_main(steps: int, out_json: Path) -> None:
+    """Runs in its own process (the timings count its imports like grpo's)."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from grpo_data.arithmetic import ArithmeticDataset
+    from grpo_envs.answers import canonical_integer, first_integer
+    from grpo_train.assets import builtin_model_path
+    from grpo_train.train_step import process_age_s
+
+    model_path = str(builtin_model_path("arith-tiny"))
+    tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+
+    def rows(size: int, seed: int) -> list[dict]:
+        data = ArithmeticDataset(size, seed, DIGITS)
+        return [{"prompt": r["problem"], "answer": r["answer"]} for r in (data[i] for i in range(size))]
+
+    train, val = Dataset.from_list(rows(TRAIN_ROWS, TRAIN_SEED)), rows(VAL_ROWS, VAL_SEED)
+
+    def score(completion: str, answer: str) -> float:
+        return 1.0 if first_integer(completion) == canonical_integer(answer) else 0.0
+
+    def arithmetic_reward(prompts, completions, answer, **_) -> list[float]:
+        return [score(c, a) for c, a in zip(completions, answer)]
+
+    @torch.no_grad()
+    def held_out_accuracy(m) -> float:
+        enc = tokenizer([r["prompt"] for r in val], return_tensors="pt", padding=True, add_special_tokens=False)
+        was_training = m.training
+        m.eval()
+        out = m.generate(**enc, do_sample=False, max_new_tokens=MAX_NEW_TOKENS, pad_token_id=tokenizer.pad_token_id)
+        m.train(was_training)
+        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        return sum(score(t, r["answer"]) for t, r in zip(texts, val)) / len(val)
+
+    record: dict = {"steps": [], "val": {}, "phases": []}
+
+    class Timing(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            if "startup_s" not in record:
+                record["startup_s"] = process_age_s()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, model=None, **kw):
+            record["steps"].append(time.perf_counter() - self.t0)
+            if state.global_step % VAL_PERIOD == 0 or state.global_step == steps:
+                record["val"][state.global_step] = held_out_accuracy(model)
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        """Splits a step: generation + rewards + reference logprobs, and the rest (training)."""
+
+        def _generate_and_score_completions(self, inputs):
+            t0 = time.perf_counter()
+            out = super()._generate_and_score_completions(inputs)
+            record["phases"].append(time.perf_counter() - t0)
+            return out
+
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="trl-bench-"), max_steps=steps, learning_rate=LR,
+        per_device_train_batch_size=MICRO_BATCH, gradient_accumulation_steps=PROMPTS_PER_STEP * GENERATIONS // MICRO_BATCH,
+        num_generations=GENERATIONS, max_completion_length=MAX_NEW_TOKENS, temperature=1.0, top_p=1.0,
+        beta=BETA, epsilon=CLIP, loss_type="dapo", scale_rewards="group", lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0,
+        logging_steps=1, report_to="none", save_strategy="no", seed=SEED, use_cpu=True, bf16=False,
+        dataloader_num_workers=0, disable_dropout=True, log_completions=False,
+    )
+    trainer = TimedGRPOTrainer(model=model, reward_funcs=arithmetic_reward, args=args, train_dataset=train,
+                               processing_class=tokenizer, callbacks=[Timing()])
+    record["val"][0] = held_out_accuracy(trainer.model)  # step-0 validation, as grpo's val_at_start
+    trainer.train()
+    record["threads"] = torch.get_num_threads()
+    out_json.write_text(json.dumps(record))
+
+
+# ----------------------------------------------------------------------------- grpo side
+def run_grpo(steps: int) -> dict:
+    run_dir = Path(tempfile.mkdtemp(prefix="grpo-vs-trl-")) / "run"
+    cmd = [sys.executable, "-m", "grpo_cli.main", "train", "--run-dir", str(run_dir), f"grpo.max_num_steps={steps}"]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"grpo train failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train = [r for r in rows if r["split"] == "train"]
+    steady = train[1:] or train
+    phases = {}
+    for key in sorted({k for r in steady for k in r if k.startswith("timing/") and k not in ("timing/step_s", "timing/startup_s")}):
+        phases[key[len("timing/"):-2]] = statistics.median(r.get(key, 0.0) for r in steady)
+    return {"wall_s": wall, "startup_s": train[0].get("timing/startup_s", float("nan")),
+            "step_s": statistics.median(r["timing/step_s"] for r in steady), "phases": phases,
+            "min_step_s": min(r["timing/step_s"] for r in steady),
+            "val": {r["step"]: r["accuracy"] for r in rows if r["split"] == "val"}}
+
+
+def run_trl(steps: int) -> dict:
+    out_json = Path(tempfile.mkdtemp(prefix="trl-bench-")) / "trl.json"
+    cmd = [sys.executable, __file__, "--trl-worker", str(out_json), "--steps", str(steps)]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"TRL run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    rec = json.loads(out_json.read_text())
+    steady = rec["steps"][1:] or rec["steps"]
+    gen = statistics.median(rec["phases"][1:] or rec["phases"])
+    step = statistics.median(steady)
+    return {"wall_s": wall, "startup_s": rec["startup_s"], "step_s": step, "threads": rec["threads"], "min_step_s": min(steady),
+            "phases": {"generate+reward+ref_logprob": gen, "train (rest of the step)": step - gen},
+            "val": {int(k): v for k, v in rec["val"].items()}}
+
+
+def curve(val: dict) -> str:
+    return ", ".join(f"{k}: {v:.3f}" for k, v in sorted(val.items()))
+
+
+def report(grpo: dict, trl: dict, steps: int, load_before: str, load_after: str, order: str) -> str:
+    ratio = lambda a, b: f"{a / b:.2f}x"  # noqa: E731
+    lines = [
+        "# grpo vs TRL GRPOTrainer, tiny scale (bundled arith-tiny, ~1M params) on CPU",
+        "",
+        f"- machine: {machine()}",
+        f"- commit: {git_commit()}; TRL 1.16.0 (benchmark-only `bench` group), run order: {order}, back to back",
+        f"- load before: `{load_before}`",
+        f"- load after: `{load_after}`",
+        f"- settings: {PROMPTS_PER_STEP} prompts x {GENERATIONS} generations, one optimizer step of 2 x {MICRO_BATCH} rows, "
+        f"lr {LR} constant, KL {BETA} (k3), clip {CLIP}, {MAX_NEW_TOKENS} new tokens at T=1.0, {steps} steps, float32",
+        "- differences: grpo generates with vLLM (CPU), TRL with transformers `generate`; grpo's baseline is "
+        "leave-one-out (demo config), TRL's the group mean; grpo checks the refit every step",
+        "- time to first step = process start -> start of step 1 (after the step-0 validation), both sides",
+        "",
+        "| | TRL | grpo | grpo / TRL | target |",
+        "|---|---|---|---|---|",
+        f"| median s/step (steps 2-{steps}) | {trl['step_s']:.3f} | {grpo['step_s']:.3f} | {ratio(grpo['step_s'], trl['step_s'])} | <= 0.6x |",
+        f"| fastest step, steps 2-{steps} (s; load shows as a gap to the median) | {trl['min_step_s']:.3f} | {grpo['min_step_s']:.3f} | {ratio(grpo['min_step_s'], trl['min_step_s'])} | |",
+        f"| time to first step (s) | {trl['startup_s']:.1f} | {grpo['startup_s']:.1f} | {ratio(grpo['startup_s'], trl['startup_s'])} | grpo <= 15 s |",
+        f"| whole process (s) | {trl['wall_s']:.1f} | {grpo['wall_s']:.1f} | {ratio(grpo['wall_s'], trl['wall_s'])} | <= 1.5x |",
+        "",
+        "Per-phase median seconds (steps 2..N):",
+        "",
+        "| side | phase | seconds |",
+        "|---|---|---|",
+    ]
+    lines += [f"| grpo | {k} | {v:.3f} |" for k, v in grpo["phases"].items()]
+    lines += [f"| TRL | {k} | {v:.3f} |" for k, v in trl["phases"].items()]
+    lines += ["", f"Held-out greedy accuracy: grpo {curve(grpo['val'])}; TRL {curve(trl['val'])}",
+              f"(TRL ran with torch's {trl['threads']} threads)", ""]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "e2e_vs_trl_cpu.md")
+    parser.add_argument("--trl-worker", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.trl_worker is not None:
+        trl_main(args.steps, args.trl_worker)
+        return 0
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    load_before = uptime()
+    trl = run_trl(args.steps)
+    grpo = run_grpo(args.steps)
+    text = report(grpo, trl, args.steps, load_before, uptime(), "TRL then grpo")
+    args.out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
