@@ -28,15 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from grpo_train.config.schema import GRPOMasterConfig
+from grpo_train.errors import PlanError  # re-exported: its old home
 
 GB = 1e9
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 KNOWN_CONFIGS = Path(__file__).parent / "assets" / "model_configs"
 HEADROOM = 0.10
-
-
-class PlanError(ValueError):
-    """The plan cannot be made or does not fit; one line naming the keys to change."""
 
 
 # ------------------------------------------------------------------------------ model size

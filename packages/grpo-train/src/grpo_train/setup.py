@@ -12,12 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from grpo_train.config.schema import DatasetConfig, GRPOMasterConfig
+from grpo_train.errors import StartupError  # re-exported: its old home
 
 BUILTIN_PREFIX = "builtin:"
-
-
-class StartupError(RuntimeError):
-    """A problem found before training starts; printed as one line, exit code 2."""
 
 
 def resolve_model_path(name: str, key: str = "policy.model_name") -> str:

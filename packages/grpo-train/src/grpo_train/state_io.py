@@ -22,6 +22,7 @@ import json
 import os
 from pathlib import Path
 from typing import Any
+from grpo_train.errors import StateFileError  # re-exported: its old home
 
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = 1
@@ -30,10 +31,6 @@ _CHUNK = 1 << 22  # 4 MiB reads while hashing
 
 _TENSOR, _TUPLE, _ITEMS, _DATACLASS = "__tensor__", "__tuple__", "__items__", "__dataclass__"
 _TAGS = (_TENSOR, _TUPLE, _ITEMS, _DATACLASS)
-
-
-class StateFileError(ValueError):
-    """A state file that cannot be read back as the value that was saved."""
 
 
 # ----------------------------------------------------------------------------- state files

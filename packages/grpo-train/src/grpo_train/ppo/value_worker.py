@@ -22,7 +22,7 @@ from grpo_train.policy import microbatch
 from grpo_train.policy.logprobs import packed_hidden_states
 from grpo_train.policy.optim import apply_optimizer_config, build_optimizer, build_scheduler
 from grpo_train.policy.precision import DTYPES, MasterWeights
-from grpo_train.policy.worker import NonFiniteLossError
+from grpo_train.errors import NonFiniteLossError
 from grpo_train.ppo.value_loss import value_loss_fn
 
 MASTERS_FILE = "master_weights.safetensors"  # fp32 masters of a mixed-precision run
