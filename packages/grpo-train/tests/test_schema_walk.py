@@ -352,8 +352,8 @@ class FakeGenerator:
 
 
 def test_generation_batch_size_submits_prompts_in_chunks(monkeypatch):
-    from grpo_train.rollout import single_turn as rollout
     from grpo_train.generation.base import SamplingSpec
+    from grpo_train.rollout import single_turn as rollout
 
     monkeypatch.setattr(rollout.ray, "get", lambda value: value)  # the fake answers values, not refs
     prompts = [[100 + i] for i in range(7)]

@@ -25,11 +25,12 @@ import shutil
 import socket
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from grpo_train.state_io import MANIFEST_FILE, load_state, save_state, verify_manifest, write_manifest
 from grpo_train.errors import NoIntactCheckpoint  # re-exported: its old home
+from grpo_train.state_io import MANIFEST_FILE, load_state, save_state, verify_manifest, write_manifest
 
 log = logging.getLogger(__name__)
 

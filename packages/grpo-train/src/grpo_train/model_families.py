@@ -20,7 +20,9 @@ Boundary: torch only (no transformers or vLLM import); configs are read by attri
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any, ClassVar, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, ClassVar
+
 from grpo_train.errors import UnsupportedFamilyError  # re-exported: its old home
 
 if TYPE_CHECKING:

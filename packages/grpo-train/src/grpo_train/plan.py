@@ -232,7 +232,7 @@ def make_plan(cfg: GRPOMasterConfig, gpu_memory_gb: float | None = None, model_p
         label = "async engine" if cfg.grpo.async_grpo.enabled else "engine"
         for e in range(engines):
             devs = _placed(tp, next_gpu + e * tp, g)
-            for node, dev in devs:
+            for _node, dev in devs:
                 _engine_memory(gpus[dev] if dev < len(gpus) else None, gen.backend, vllm.gpu_memory_utilization,
                                engine_weights, tp, gpu_memory_gb)
             actors.append(Actor(f"{label} {e}" if engines > 1 else label, devs[0][0], f"generation[{e}] {{GPU:{tp},CPU:1}}",

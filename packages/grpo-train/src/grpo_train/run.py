@@ -62,8 +62,15 @@ def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None =
     from grpo_train.checkpoint import CheckpointManager
     from grpo_train.loggers import MetricsLogger
     from grpo_train.run_state import TrainerState, restore_checkpoint
-    from grpo_train.setup import (actor_env_vars, build_components, check_model_options, check_plan,
-                                  check_supported, init_ray, resolve_model_path)
+    from grpo_train.setup import (
+        actor_env_vars,
+        build_components,
+        check_model_options,
+        check_plan,
+        check_supported,
+        init_ray,
+        resolve_model_path,
+    )
     from grpo_train.sync_loop import total_steps, train_sync
 
     if cfg.algorithm == "ppo":  # the config's `ppo:` section picks PPO: same parts plus a value worker

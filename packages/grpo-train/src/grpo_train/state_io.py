@@ -22,6 +22,7 @@ import json
 import os
 from pathlib import Path
 from typing import Any
+
 from grpo_train.errors import StateFileError  # re-exported: its old home
 
 MANIFEST_FILE = "manifest.json"

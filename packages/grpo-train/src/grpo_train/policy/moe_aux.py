@@ -19,6 +19,7 @@ import sys
 from contextlib import contextmanager
 
 import torch
+
 from grpo_train.errors import NotMoEError  # re-exported: its old home
 
 
