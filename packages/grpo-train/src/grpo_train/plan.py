@@ -27,6 +27,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from grpo_train.assets import builtin_model_path
 from grpo_train.config.schema import GRPOMasterConfig
 from grpo_train.errors import PlanError  # re-exported: its old home
 
@@ -98,8 +99,6 @@ class ModelSize:
 def _config_json(name: str) -> tuple[Path | None, Path | None]:
     """(model folder or None, config.json or None) for `name`, without downloading anything."""
     if name.startswith("builtin:"):
-        from grpo_train.assets import builtin_model_path
-
         folder = builtin_model_path(name.removeprefix("builtin:"))
         return folder, folder / "config.json"
     path = Path(name).expanduser()

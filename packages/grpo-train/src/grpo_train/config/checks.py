@@ -142,6 +142,7 @@ def check_optimizers(cfg: GRPOMasterConfig) -> None:
 
 
 def _dummy_optimizer(optimizer_cfg: OptimizerConfig, key: str):
+    # Function-level: torch loads only for this check, so `grpo --help` and `config show` stay torch-free.
     import torch
 
     from grpo_train.policy.optim import build_optimizer
@@ -154,6 +155,7 @@ def _dummy_optimizer(optimizer_cfg: OptimizerConfig, key: str):
 
 
 def _check_optimizer(optimizer_cfg: OptimizerConfig, key: str):
+    # Function-level: torch loads only for this check, so `grpo --help` and `config show` stay torch-free.
     import torch
 
     from grpo_train.policy.optim import import_class
@@ -172,6 +174,7 @@ def _check_optimizer(optimizer_cfg: OptimizerConfig, key: str):
 
 
 def _check_scheduler(optimizer, entries: list[SchedulerEntry], key: str) -> None:
+    # Function-level: torch loads only for this check, so `grpo --help` and `config show` stay torch-free.
     import torch
 
     from grpo_train.policy.optim import build_scheduler, import_class
