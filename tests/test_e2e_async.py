@@ -54,7 +54,6 @@ def metrics(run_dir: Path) -> list[dict]:
 
 def buffer_records(checkpoint: Path) -> list[dict]:
     from grpo_data.records import DatumSpec
-
     from grpo_train.batch import Rollout
     from grpo_train.replay_buffer import GroupEntry
 

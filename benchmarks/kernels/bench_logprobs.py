@@ -14,6 +14,7 @@ peak extra memory. Writes benchmarks/results/kernels_logprobs_{gpu,cpu}.{md,json
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -147,7 +148,7 @@ def bench_logits(shapes, device, ceiling, repeats) -> list[dict]:
                         row["note"] = impl[:80]
                         continue
                     try:
-                        m = measure(lambda: impl(logits, targets, TEMPERATURE, entropy), logits, device, repeats)
+                        m = measure(functools.partial(impl, logits, targets, TEMPERATURE, entropy), logits, device, repeats)
                     except Exception as err:  # noqa: BLE001 - report, keep going
                         row["note"] = f"failed: {type(err).__name__}: {err}"[:120]
                         continue

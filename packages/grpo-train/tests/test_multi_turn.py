@@ -10,7 +10,7 @@ from grpo_data.records import DatumSpec
 from grpo_envs.pool import EnvPool
 from grpo_train.batch import build_train_batch
 from grpo_train.generation.base import SamplingSpec
-from grpo_train.multi_turn import multi_turn_rollout, observation_ids
+from grpo_train.rollout.multi_turn import multi_turn_rollout, observation_ids
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import pytest
 import ray
 import torch
 
-from grpo_train.config.schema import ClusterConfig, DTensorConfig, LossConfig, PolicyConfig
 from grpo_train.actor_group import split_rows
+from grpo_train.config.schema import ClusterConfig, DTensorConfig, LossConfig, PolicyConfig
 from grpo_train.policy.group import PolicyGroup, combine_metrics, worker_bundles
 
 VOCAB = 64

@@ -6,7 +6,6 @@ in test_fsdp.py."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from safetensors.torch import load_file
 

@@ -16,7 +16,14 @@ import torch
 
 from grpo_train.config.schema import GRPOMasterConfig, LossConfig, PolicyConfig
 from grpo_train.train_step import refit_limits
-from grpo_train.weight_sync import DEFAULT_LIMITS, RefitLimits, RefitMismatchError, gate_precision, gate_refit, refit_stats
+from grpo_train.weight_sync import (
+    DEFAULT_LIMITS,
+    RefitLimits,
+    RefitMismatchError,
+    gate_precision,
+    gate_refit,
+    refit_stats,
+)
 
 # The tied embedding / lm_head: the tensor whose miss is the classic refit bug.
 SKIPPED = "model.embed_tokens.weight"

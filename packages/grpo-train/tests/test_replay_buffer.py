@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from grpo_data.records import DatumSpec
 
+from grpo_data.records import DatumSpec
 from grpo_train.replay_buffer import GroupEntry, ReplayBuffer, is_stale
 
 

@@ -46,7 +46,7 @@ class Refused:
 
 TABLE = {
     "grpo.num_prompts_per_step": T("packages/grpo-data/tests/test_multi_dataloader.py::test_custom_sampler_by_import_path"),
-    "grpo.num_generations_per_prompt": R("grpo_train/dynamic_sampling.py"),
+    "grpo.num_generations_per_prompt": R("grpo_train/rollout/dynamic_sampling.py"),
     "grpo.max_rollout_turns": T("tests/test_e2e_grpo.py::test_multi_turn_training_run"),
     "grpo.max_num_epochs": R("grpo_train/sync_loop.py"),
     "grpo.max_num_steps": R("grpo_train/sync_loop.py"),
@@ -57,7 +57,7 @@ TABLE = {
     "grpo.overlong_filtering": R("grpo_train/train_step.py"),
     "grpo.use_dynamic_sampling": T("tests/test_e2e_grpo.py::test_dynamic_sampling_keeps_only_groups_with_signal"),
     "grpo.dynamic_sampling_max_gen_batches": T("tests/test_e2e_grpo.py::test_dynamic_sampling_keeps_only_groups_with_signal"),
-    "grpo.batch_multiplier": R("grpo_train/dynamic_sampling.py"),
+    "grpo.batch_multiplier": R("grpo_train/rollout/dynamic_sampling.py"),
     "grpo.val_period": R("grpo_train/sync_loop.py"),
     "grpo.val_at_start": T("tests/test_e2e_async.py::test_kill_and_resume_trains_every_prompt_once_within_the_age_bound"),
     "grpo.val_at_end": T("tests/test_e2e_async.py::test_zero_age_async_reproduces_the_sync_loop"),
@@ -112,7 +112,7 @@ TABLE = {
     "policy.train_micro_batch_size": R("grpo_train/policy/microbatch.py"),
     "policy.generation_batch_size": T("packages/grpo-train/tests/test_schema_walk.py::test_generation_batch_size_submits_prompts_in_chunks"),
     "policy.logprob_batch_size": T("packages/grpo-train/tests/test_packed_training.py::test_data_parallel_ranks_with_different_bin_counts_stay_in_step"),
-    "policy.max_total_sequence_length": R("grpo_train/rollout.py"),
+    "policy.max_total_sequence_length": R("grpo_train/rollout/__init__.py"),
     "policy.precision": R("grpo_train/setup.py"),
     "policy.logprob_chunk_size": R("grpo_train/policy/worker.py"),
     "policy.use_fused_kernels": T("packages/grpo-train/tests/test_packed_training.py::test_packing_matches_padded_with_sequence_level_loss_and_fused_head"),
@@ -352,8 +352,8 @@ class FakeGenerator:
 
 
 def test_generation_batch_size_submits_prompts_in_chunks(monkeypatch):
-    from grpo_train import rollout
     from grpo_train.generation.base import SamplingSpec
+    from grpo_train.rollout import single_turn as rollout
 
     monkeypatch.setattr(rollout.ray, "get", lambda value: value)  # the fake answers values, not refs
     prompts = [[100 + i] for i in range(7)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import ray
 import torch
+
 from grpo_train.actor_group import combine_rank_metrics, shard_steps
 from grpo_train.config import ConfigError, validate_config_dict
 from grpo_train.config.schema import ClusterConfig, ValueConfig, ValueLossConfig

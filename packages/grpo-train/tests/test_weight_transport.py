@@ -13,6 +13,7 @@ import ray
 import torch
 
 from grpo_train.config.schema import ClusterConfig, LossConfig, PolicyConfig
+from grpo_train.weight_sync import check_refit
 from grpo_train.weight_transport import (
     TRANSPORTS,
     free_address,
@@ -23,7 +24,6 @@ from grpo_train.weight_transport import (
     send_buckets,
     tensor_metadata,
 )
-from grpo_train.weight_sync import check_refit
 
 TEMPERATURE = 0.7
 KIB = 1024

@@ -51,7 +51,7 @@ class EpochShuffleSampler(Sampler[int]):
     def __len__(self) -> int:
         return self.n
 
-    def __iter__(self) -> "_EpochShuffleIterator":
+    def __iter__(self) -> _EpochShuffleIterator:
         return _EpochShuffleIterator(self)
 
     def state_dict(self) -> dict[str, Any]:
@@ -161,7 +161,7 @@ class InfiniteDataLoader:
         )
         self._iterator: Iterator | None = None
 
-    def __iter__(self) -> "InfiniteDataLoader":
+    def __iter__(self) -> InfiniteDataLoader:
         return self
 
     def __next__(self) -> list:

@@ -113,7 +113,7 @@ class MultiDataLoader:
         self.records: dict[str, dict[str, float]] = {}
         self.step = 0
 
-    def __iter__(self) -> "MultiDataLoader":
+    def __iter__(self) -> MultiDataLoader:
         return self
 
     def __next__(self) -> list:

@@ -131,7 +131,7 @@ class TaskSpec:
         task_name: str,
         prompt_file: str | Path | None = None,
         system_prompt_file: str | Path | None = None,
-    ) -> "TaskSpec":
+    ) -> TaskSpec:
         """Build a spec from a prompt file / system prompt file (each a path or the text itself)."""
         return cls(
             task_name=task_name,

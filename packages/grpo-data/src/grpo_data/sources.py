@@ -45,10 +45,10 @@ class Rows:
         """Where row i came from, for error messages."""
         return where(self.source, self.row_numbers[i])
 
-    def select(self, indices: Sequence[int]) -> "Rows":
+    def select(self, indices: Sequence[int]) -> Rows:
         return Rows([self.rows[i] for i in indices], self.source, [self.row_numbers[i] for i in indices])
 
-    def repeat(self, times: int) -> "Rows":
+    def repeat(self, times: int) -> Rows:
         """The rows `times` times over, one full copy after another."""
         if times < 1:
             raise DataError(f"{self.source}: repeat={times}; expected a positive integer")

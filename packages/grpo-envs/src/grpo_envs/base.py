@@ -73,7 +73,7 @@ class Environment(abc.ABC):
         """Metrics over a whole global batch (all chunks, all turns); none by default."""
         return {}
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - an optional hook: doing nothing is the default
         """Release processes or devices the environment holds."""
 
     @classmethod

@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,7 +170,7 @@ class EnvPool:
     def global_post_process_and_metrics(self, batch_metadata: list[dict]) -> dict[str, float]:
         if self.in_process:
             return self._env.global_post_process_and_metrics(batch_metadata)
-        for attempt in range(2):
+        for _attempt in range(2):
             try:
                 return self._ray.get(self._actors[0].global_post_process_and_metrics.remote(batch_metadata))
             except self._ray.exceptions.RayActorError:

@@ -18,6 +18,8 @@ _PACKING_EXPORTS = {
     "unpack_padded": "grpo_kernels.pack_tensors",
 }
 
+__all__ = ["PGLossConfig", "clipped_pg_loss", "linear_token_logprobs", "token_logprobs", *_PACKING_EXPORTS]
+
 
 def __getattr__(name: str):
     if name in _PACKING_EXPORTS:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from functools import lru_cache
+from functools import cache
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 IGNORE_INDEX = -100
 
 
-@lru_cache(maxsize=None)
+@cache
 def triton_available() -> bool:
     """True when triton imports (the `grpo-kernels[triton]` extra)."""
     try:
@@ -75,7 +75,7 @@ def _extension_gap(tensor) -> str:
     return f"dtype {tensor.dtype} is not supported"
 
 
-@lru_cache(maxsize=None)
+@cache
 def _warn_once(message: str) -> None:
     logger.warning(message)
 

@@ -19,7 +19,6 @@ opened. Bounds (C = capacity, S = total tokens, LB = ceil(S / C) <= OPT):
 from __future__ import annotations
 
 import logging
-import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass

@@ -107,7 +107,6 @@ def make_collector(cfg: GRPOMasterConfig, parts, checkpoints, state: TrainerStat
     checkpoint has no buffer, so generation restarts at the next step.
     """
     from grpo_data.records import DatumSpec
-
     from grpo_train.batch import Rollout
     from grpo_train.replay_buffer import GroupEntry
     from grpo_train.state_io import load_state

@@ -25,9 +25,11 @@ import shutil
 import socket
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
+from grpo_train.errors import NoIntactCheckpoint  # re-exported: its old home
 from grpo_train.state_io import MANIFEST_FILE, load_state, save_state, verify_manifest, write_manifest
 
 log = logging.getLogger(__name__)
@@ -146,10 +148,6 @@ def load_rng_state(folder: Path, stem: str = RNG_STEM) -> None:
 
 
 # ------------------------------------------------------------------------------- manager
-class NoIntactCheckpoint(RuntimeError):
-    """Checkpoints exist but every one fails its manifest check."""
-
-
 class CheckpointManager:
     """Saves step_N checkpoints atomically under `root`, finds the newest, prunes the rest.
 

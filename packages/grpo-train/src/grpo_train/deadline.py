@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from grpo_train.config.schema import parse_duration
 

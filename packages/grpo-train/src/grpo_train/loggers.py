@@ -23,8 +23,9 @@ import math
 import os
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from grpo_train.config.schema import LoggerConfig

@@ -20,17 +20,13 @@ Boundary: torch only (no transformers or vLLM import); configs are read by attri
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any, ClassVar, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from grpo_train.errors import UnsupportedFamilyError  # re-exported: its old home
 
 if TYPE_CHECKING:
     import torch
-
-
-class UnsupportedFamilyError(KeyError):
-    """A model whose weights grpo cannot name the way the engine loads them."""
-
-    def __str__(self) -> str:  # KeyError quotes its message; print it plainly
-        return str(self.args[0])
 
 
 class Family:

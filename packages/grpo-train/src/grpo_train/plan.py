@@ -27,16 +27,14 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from grpo_train.assets import builtin_model_path
 from grpo_train.config.schema import GRPOMasterConfig
+from grpo_train.errors import PlanError  # re-exported: its old home
 
 GB = 1e9
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 KNOWN_CONFIGS = Path(__file__).parent / "assets" / "model_configs"
 HEADROOM = 0.10
-
-
-class PlanError(ValueError):
-    """The plan cannot be made or does not fit; one line naming the keys to change."""
 
 
 # ------------------------------------------------------------------------------ model size
@@ -101,8 +99,6 @@ class ModelSize:
 def _config_json(name: str) -> tuple[Path | None, Path | None]:
     """(model folder or None, config.json or None) for `name`, without downloading anything."""
     if name.startswith("builtin:"):
-        from grpo_train.assets import builtin_model_path
-
         folder = builtin_model_path(name.removeprefix("builtin:"))
         return folder, folder / "config.json"
     path = Path(name).expanduser()
@@ -235,7 +231,7 @@ def make_plan(cfg: GRPOMasterConfig, gpu_memory_gb: float | None = None, model_p
         label = "async engine" if cfg.grpo.async_grpo.enabled else "engine"
         for e in range(engines):
             devs = _placed(tp, next_gpu + e * tp, g)
-            for node, dev in devs:
+            for _node, dev in devs:
                 _engine_memory(gpus[dev] if dev < len(gpus) else None, gen.backend, vllm.gpu_memory_utilization,
                                engine_weights, tp, gpu_memory_gb)
             actors.append(Actor(f"{label} {e}" if engines > 1 else label, devs[0][0], f"generation[{e}] {{GPU:{tp},CPU:1}}",

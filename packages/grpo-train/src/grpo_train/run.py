@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from grpo_train.config.schema import GRPOMasterConfig
-from grpo_train.setup import StartupError
+from grpo_train.errors import NoIntactCheckpoint, NonFiniteLossError, StartupError, StateFileError
 
 EXIT_OK, EXIT_RUN_STOPPED, EXIT_STARTUP = 0, 1, 2
 
@@ -34,7 +34,6 @@ def choose_resume_point(checkpoints, resolved: dict) -> Path | None:
     Raises StartupError (one line) when checkpoints exist but none is intact, or when a key
     outside `resume_config.APPLIED_ON_RESUME` changed since the checkpoint was written."""
     from grpo_train import resume_config
-    from grpo_train.checkpoint import NoIntactCheckpoint
 
     if checkpoints is None:
         return None
@@ -62,11 +61,16 @@ def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None =
     from grpo_train import weight_sync
     from grpo_train.checkpoint import CheckpointManager
     from grpo_train.loggers import MetricsLogger
-    from grpo_train.policy.worker import NonFiniteLossError
     from grpo_train.run_state import TrainerState, restore_checkpoint
-    from grpo_train.setup import (actor_env_vars, build_components, check_model_options, check_plan,
-                                  check_supported, init_ray, resolve_model_path)
-    from grpo_train.state_io import StateFileError
+    from grpo_train.setup import (
+        actor_env_vars,
+        build_components,
+        check_model_options,
+        check_plan,
+        check_supported,
+        init_ray,
+        resolve_model_path,
+    )
     from grpo_train.sync_loop import total_steps, train_sync
 
     if cfg.algorithm == "ppo":  # the config's `ppo:` section picks PPO: same parts plus a value worker

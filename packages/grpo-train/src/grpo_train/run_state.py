@@ -14,6 +14,9 @@ from pathlib import Path
 
 import ray
 
+from grpo_train.checkpoint import CheckpointManager, load_rng_state, save_rng_state
+from grpo_train.state_io import load_state, save_state
+
 
 @dataclass
 class TrainerState:
@@ -36,9 +39,6 @@ def save_checkpoint(manager, parts, state: TrainerState, metrics: dict[str, floa
     """`extra_workers` (folder name -> actor with save/load, e.g. PPO's {"value": ...}) are saved beside the policy.
     `extra_files` (file stem -> object) are saved as state files `<stem>.{json,safetensors}`; the async loop's
     replay buffer and collector, whose "dataloader" (the collector's position) replaces the driver's."""
-    from grpo_train.checkpoint import save_rng_state
-    from grpo_train.state_io import save_state
-
     def write(folder: Path) -> None:
         ray.get(parts.policy.save.remote(str(folder / "policy")))
         ray.get([actor.save.remote(str(folder / name)) for name, actor in (extra_workers or {}).items()])
@@ -51,9 +51,6 @@ def save_checkpoint(manager, parts, state: TrainerState, metrics: dict[str, floa
 
 def restore_checkpoint(folder: Path, parts, extra_workers: dict | None = None) -> TrainerState:
     """Load checkpoint `folder` (already checked against its manifest) into the run's parts."""
-    from grpo_train.checkpoint import CheckpointManager, load_rng_state
-    from grpo_train.state_io import load_state
-
     ray.get(parts.policy.load.remote(str(folder / "policy")))
     ray.get([actor.load.remote(str(folder / name)) for name, actor in (extra_workers or {}).items()])
     parts.train_data.load_state_dict(load_state(folder, "dataloader"))

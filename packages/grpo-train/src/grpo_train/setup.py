@@ -11,20 +11,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from grpo_train.assets import builtin_model_path
 from grpo_train.config.schema import DatasetConfig, GRPOMasterConfig
+from grpo_train.errors import StartupError  # re-exported: its old home
+from grpo_train.plan import PlanError, make_plan
 
 BUILTIN_PREFIX = "builtin:"
-
-
-class StartupError(RuntimeError):
-    """A problem found before training starts; printed as one line, exit code 2."""
 
 
 def resolve_model_path(name: str, key: str = "policy.model_name") -> str:
     """A local folder for `name`: bundled (`builtin:NAME`), a local path, or an HF hub cache hit."""
     if name.startswith(BUILTIN_PREFIX):
-        from grpo_train.assets import builtin_model_path
-
         try:
             return str(builtin_model_path(name[len(BUILTIN_PREFIX):]))
         except ValueError as exc:
@@ -76,8 +73,6 @@ def check_supported(cfg: GRPOMasterConfig) -> list[str]:
 
 def check_plan(cfg: GRPOMasterConfig, model_path: str):
     """The placement plan (grpo_train.plan) of the run, or a StartupError naming the keys to change."""
-    from grpo_train.plan import PlanError, make_plan
-
     try:
         plan = make_plan(cfg, model_path=model_path)
     except PlanError as exc:
@@ -92,7 +87,7 @@ def check_model_options(cfg: GRPOMasterConfig, model_path: str) -> None:
     if cfg.policy.moe_aux_loss_coeff > 0:
         from transformers import AutoConfig
 
-        from grpo_train.policy.moe_aux import NotMoEError, check_moe_config
+        from grpo_train.policy.moe_aux import NotMoEError, check_moe_config  # torch: only for MoE runs
 
         try:
             check_moe_config(AutoConfig.from_pretrained(model_path))

@@ -23,6 +23,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from grpo_train.errors import StateFileError  # re-exported: its old home
+
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = 1
 HASH_ALGORITHM = "sha256"  # measured faster than blake2b here (SHA-NI): benchmarks/results/checkpoint_hash_cpu.md
@@ -30,10 +32,6 @@ _CHUNK = 1 << 22  # 4 MiB reads while hashing
 
 _TENSOR, _TUPLE, _ITEMS, _DATACLASS = "__tensor__", "__tuple__", "__items__", "__dataclass__"
 _TAGS = (_TENSOR, _TUPLE, _ITEMS, _DATACLASS)
-
-
-class StateFileError(ValueError):
-    """A state file that cannot be read back as the value that was saved."""
 
 
 # ----------------------------------------------------------------------------- state files

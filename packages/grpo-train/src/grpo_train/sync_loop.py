@@ -13,6 +13,7 @@ from grpo_train.config.schema import GRPOMasterConfig
 from grpo_train.deadline import SaveDeadline
 from grpo_train.generation.base import SamplingSpec
 from grpo_train.rollout import rollout_batch
+from grpo_train.rollout.dynamic_sampling import fill_with_signal
 from grpo_train.run_state import TrainerState, save_checkpoint
 from grpo_train.train_step import (PhaseTimer, add_advantages, add_logprobs, check_refit, prepare_batch, process_age_s,
                                    push_weights)
@@ -84,8 +85,6 @@ def collect_rollouts(cfg: GRPOMasterConfig, parts, sampling: SamplingSpec, state
     result = rollout_batch(cfg, parts, datums, sampling)
     if not cfg.grpo.use_dynamic_sampling:
         return result, {}
-    from grpo_train.dynamic_sampling import fill_with_signal
-
     return fill_with_signal(cfg, parts, sampling, state, result)
 
 

@@ -10,8 +10,9 @@ Boundary: no Ray, no vLLM import; the loop decides when to push and what probe t
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch

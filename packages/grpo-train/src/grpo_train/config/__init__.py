@@ -5,10 +5,9 @@ Imports no torch, so the CLI can validate a config without starting the heavy st
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 from typing import Any
-
-import typing
 
 from pydantic import BaseModel, ValidationError
 

@@ -23,7 +23,6 @@ from grpo_train.config.schema import DatasetConfig, GRPOMasterConfig, OptimizerC
 from grpo_train.generation.base import SCORE_RESERVE  # positions the engines keep free for scoring
 
 
-
 def check_config(cfg: GRPOMasterConfig, source: str = "<config>") -> None:
     """Every check below; the first problem raises a ConfigError naming `source` and the key."""
     try:
@@ -143,6 +142,7 @@ def check_optimizers(cfg: GRPOMasterConfig) -> None:
 
 
 def _dummy_optimizer(optimizer_cfg: OptimizerConfig, key: str):
+    # Function-level: torch loads only for this check, so `grpo --help` and `config show` stay torch-free.
     import torch
 
     from grpo_train.policy.optim import build_optimizer
@@ -155,9 +155,10 @@ def _dummy_optimizer(optimizer_cfg: OptimizerConfig, key: str):
 
 
 def _check_optimizer(optimizer_cfg: OptimizerConfig, key: str):
-    from grpo_train.policy.optim import import_class
-
+    # Function-level: torch loads only for this check, so `grpo --help` and `config show` stay torch-free.
     import torch
+
+    from grpo_train.policy.optim import import_class
 
     try:
         import_class(optimizer_cfg.name, torch.optim.Optimizer, f"{key}.name")
@@ -173,6 +174,7 @@ def _check_optimizer(optimizer_cfg: OptimizerConfig, key: str):
 
 
 def _check_scheduler(optimizer, entries: list[SchedulerEntry], key: str) -> None:
+    # Function-level: torch loads only for this check, so `grpo --help` and `config show` stay torch-free.
     import torch
 
     from grpo_train.policy.optim import build_scheduler, import_class
@@ -187,7 +189,7 @@ def _check_scheduler(optimizer, entries: list[SchedulerEntry], key: str) -> None
         try:
             _step(optimizer, build_scheduler(optimizer, [entry], key=key))
         except Exception as exc:  # noqa: BLE001
-            culprit = _culprit(entry.kwargs, lambda kw: _step(optimizer, build_scheduler(
+            culprit = _culprit(entry.kwargs, lambda kw, entry=entry: _step(optimizer, build_scheduler(
                 optimizer, [entry.model_copy(update={"kwargs": kw})], key=key)))
             raise ConfigError(f"{_value(entry.kwargs, culprit)}{type(exc).__name__}: {exc}",
                               key=f"{key}[{i}].kwargs.{culprit}" if culprit else f"{key}[{i}].kwargs") from None

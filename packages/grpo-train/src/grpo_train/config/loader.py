@@ -20,8 +20,9 @@ from __future__ import annotations
 import copy
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 

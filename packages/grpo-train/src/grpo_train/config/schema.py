@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from grpo_kernels.loss_config import LossOptionError, PGLossConfig
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from grpo_kernels.loss_config import LossOptionError, PGLossConfig
 
 
 class Section(BaseModel):

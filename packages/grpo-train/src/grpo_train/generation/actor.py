@@ -110,8 +110,6 @@ def make_generation_actor(
     """Start a `GenerationActor` and return its handle; `kwargs` go to the generator's
     constructor, `actor_options` (e.g. a placement-group scheduling strategy) to Ray.
     Call `handle.ready.remote()` to wait until the engine is up."""
-    import ray
-
     _check_backend(backend)  # fail here, not inside the actor, on a bad name
     options = dict(actor_options or {})
     runtime_env = dict(options.pop("runtime_env", None) or {})

@@ -253,8 +253,6 @@ async def _final_output(queue):
 def make_async_generation_actor(model_path: str, num_cpus: float = 1, *, num_gpus: float = 0, **kwargs: Any):
     """Start an `AsyncVllmGenerator` as an async Ray actor; `kwargs` go to its constructor.
     Call `handle.ready.remote()` to wait until the engine is up."""
-    import ray
-
     # The temperature change and a weight push may run while a batch decodes.
     remote_cls = actor_class(AsyncVllmGenerator, max_concurrency=16)
     return remote_cls.options(num_cpus=num_cpus, num_gpus=num_gpus).remote(model_path, **kwargs)

@@ -27,6 +27,7 @@ import torch
 from grpo_train.actor_group import RankGroup, combine_rank_metrics, remote_method, shard_steps, split_rows, take_rows
 from grpo_train.batch import batch_size
 from grpo_train.config.schema import ClusterConfig, LossConfig, PolicyConfig
+from grpo_train.errors import StartupError
 from grpo_train.placement import actor_class
 
 # Metrics of clipped_pg_loss that are min/max over ranks; rank-independent ones come from rank 0.
@@ -53,8 +54,6 @@ def place_bundles(bundles: list[dict[str, float]], strategy: str):
     pg = placement_group(bundles, strategy=strategy)
     ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
     if not ready:
-        from grpo_train.setup import StartupError
-
         ray.util.remove_placement_group(pg)
         raise StartupError(
             f"policy.num_workers / cluster: {len(bundles)} bundles of {bundles[0]} ({strategy}) do not fit the Ray "

@@ -20,9 +20,7 @@ from contextlib import contextmanager
 
 import torch
 
-
-class NotMoEError(ValueError):
-    """The model has no router logits to balance."""
+from grpo_train.errors import NotMoEError  # re-exported: its old home
 
 
 def _router_recorder(model_cls: type):

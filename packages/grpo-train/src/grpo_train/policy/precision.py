@@ -24,7 +24,7 @@ Boundary: knows nothing of losses, batches, checkpoints' files or Ray.
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 

@@ -7,7 +7,6 @@ in-process. It knows nothing of generation or environments: batches arrive as te
 from __future__ import annotations
 
 import contextlib
-
 import copy
 import math
 import os
@@ -19,10 +18,12 @@ import grpo_kernels
 from grpo_train.actor_group import run_optimizer_steps, sum_gradients
 from grpo_train.batch import batch_size
 from grpo_train.config.schema import LossConfig, PolicyConfig
+from grpo_train.errors import NonFiniteLossError  # re-exported: its old home
 from grpo_train.policy import fsdp, microbatch
 from grpo_train.policy.logprobs import packed_logprobs, sequence_logprobs
 from grpo_train.policy.optim import apply_optimizer_config, build_optimizer, build_scheduler
 from grpo_train.policy.precision import DTYPES, MasterWeights, cast_parameters, compute_tensors
+
 # Metrics of clipped_pg_loss that are min/max rather than partial sums.
 _MIN_METRICS = ("ratio_min", "clipped_ratio_min")
 _MAX_METRICS = ("ratio_max", "clipped_ratio_max")
@@ -50,10 +51,6 @@ def read_checkpoint(folder: Path) -> dict:
         for shard in sorted((folder / "model").glob("*.safetensors")):
             model.update(load_file(shard))
     return {"model": model, **{key: load_state(folder, stem) for key, stem in STATE_FILES.items()}}
-
-
-class NonFiniteLossError(RuntimeError):
-    """The loss or gradient norm became NaN/inf; the optimizer step was not taken."""
 
 
 def pg_loss_config(cfg: LossConfig) -> grpo_kernels.PGLossConfig:

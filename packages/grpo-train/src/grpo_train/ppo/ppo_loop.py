@@ -16,8 +16,15 @@ from grpo_train.config.schema import GRPOMasterConfig
 from grpo_train.deadline import SaveDeadline
 from grpo_train.ppo.ppo_step import PPOComponents, add_values_and_advantages, mean_over_epochs, prepare_ppo_batch
 from grpo_train.run_state import TrainerState
-from grpo_train.sync_loop import (collect_rollouts, record_rewards, run_validation, sampling_spec, step_seed, total_steps,
-                                  validate_and_save)
+from grpo_train.sync_loop import (
+    collect_rollouts,
+    record_rewards,
+    run_validation,
+    sampling_spec,
+    step_seed,
+    total_steps,
+    validate_and_save,
+)
 from grpo_train.train_step import PhaseTimer, add_logprobs, check_refit, mask_by_logprob_error, push_weights
 
 

@@ -24,6 +24,7 @@ import torch
 from grpo_train.actor_group import RankGroup, combine_rank_metrics, remote_method, shard_steps, split_rows, take_rows
 from grpo_train.batch import batch_size
 from grpo_train.config.schema import ClusterConfig, ValueConfig, ValueLossConfig
+from grpo_train.errors import StartupError
 from grpo_train.placement import actor_class
 from grpo_train.policy.group import place_bundles, worker_bundles
 
@@ -34,8 +35,6 @@ SHARED_METRICS = ("value_grad_norm", "value_lr")
 
 def place_value_bundles(cluster: ClusterConfig, num_workers: int):
     """The value ranks' ready placement group; a StartupError names value.num_workers."""
-    from grpo_train.setup import StartupError
-
     bundles, strategy = worker_bundles(cluster, num_workers)
     try:
         return place_bundles(bundles, strategy)

@@ -18,11 +18,11 @@ import torch.nn.functional as F
 from grpo_train.actor_group import run_optimizer_steps, sum_gradients
 from grpo_train.batch import batch_size
 from grpo_train.config.schema import ValueConfig, ValueLossConfig
+from grpo_train.errors import NonFiniteLossError
 from grpo_train.policy import microbatch
 from grpo_train.policy.logprobs import packed_hidden_states
 from grpo_train.policy.optim import apply_optimizer_config, build_optimizer, build_scheduler
 from grpo_train.policy.precision import DTYPES, MasterWeights
-from grpo_train.policy.worker import NonFiniteLossError
 from grpo_train.ppo.value_loss import value_loss_fn
 
 MASTERS_FILE = "master_weights.safetensors"  # fp32 masters of a mixed-precision run

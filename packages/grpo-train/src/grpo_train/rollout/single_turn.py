@@ -1,7 +1,8 @@
-"""Rollout: prompts -> generations -> environment rewards, as `Rollout` records.
+"""One-turn rollout: prompts -> generations -> environment rewards, as `Rollout` records.
 
 This is where tokens (grpo-data, generation) meet text and rewards (grpo-envs): prompts go to
 the generator as token ids; responses go to the environment named by each datum as messages.
+The pieces of a turn (`generate_in_chunks`, `step_environments`) are shared with multi_turn.
 """
 
 from __future__ import annotations
@@ -94,13 +95,3 @@ def rollout(generator, envs: dict, datums: list, sampling: SamplingSpec, chunk_s
         ))
     return RolloutResult(rollouts, env.metrics, generate_s, reward_s)
 
-
-def rollout_batch(cfg, parts, datums: list, sampling: SamplingSpec) -> RolloutResult:
-    """The training rollout the config asks for: one turn, or multi-turn conversations."""
-    if cfg.grpo.max_rollout_turns > 1:
-        from grpo_train.multi_turn import multi_turn_rollout
-
-        return multi_turn_rollout(parts.generator, parts.envs, datums, sampling, parts.tokenizer,
-                                  cfg.grpo.max_rollout_turns, cfg.policy.max_total_sequence_length,
-                                  chunk_size=cfg.policy.generation_batch_size)
-    return rollout(parts.generator, parts.envs, datums, sampling, chunk_size=cfg.policy.generation_batch_size)

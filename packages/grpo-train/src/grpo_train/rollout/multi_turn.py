@@ -11,9 +11,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
-
 from grpo_train.batch import Rollout
-from grpo_train.rollout import RolloutResult, generate_in_chunks, prompt_messages, step_environments
+from grpo_train.rollout.single_turn import RolloutResult, generate_in_chunks, prompt_messages, step_environments
 
 
 @dataclass

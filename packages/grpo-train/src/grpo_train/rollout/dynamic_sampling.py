@@ -6,10 +6,10 @@ fill the batch (their advantages are 0, so they add no gradient) and the shortfa
 
 from __future__ import annotations
 
+import torch
+
 from grpo_train.advantages import groups_with_signal
 from grpo_train.rollout import RolloutResult, rollout_batch
-
-import torch
 
 
 def fill_with_signal(cfg, parts, sampling, state, first: RolloutResult) -> tuple[RolloutResult, dict[str, float]]:

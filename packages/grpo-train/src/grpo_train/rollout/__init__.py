@@ -1,0 +1,23 @@
+"""Rollout: the training rollout the config asks for, one turn or multi-turn conversations.
+
+`rollout_batch` is the one dispatch point; `single_turn` holds the pieces of a turn (generate in
+chunks, step the environments) that `multi_turn` reuses; `dynamic_sampling` (DAPO) calls
+`rollout_batch` again until enough groups carry a learning signal.
+"""
+
+from __future__ import annotations
+
+from grpo_train.generation.base import SamplingSpec
+from grpo_train.rollout.multi_turn import multi_turn_rollout
+from grpo_train.rollout.single_turn import RolloutResult, rollout
+
+__all__ = ["RolloutResult", "rollout", "rollout_batch"]
+
+
+def rollout_batch(cfg, parts, datums: list, sampling: SamplingSpec) -> RolloutResult:
+    """The training rollout the config asks for: one turn, or multi-turn conversations."""
+    if cfg.grpo.max_rollout_turns > 1:
+        return multi_turn_rollout(parts.generator, parts.envs, datums, sampling, parts.tokenizer,
+                                  cfg.grpo.max_rollout_turns, cfg.policy.max_total_sequence_length,
+                                  chunk_size=cfg.policy.generation_batch_size)
+    return rollout(parts.generator, parts.envs, datums, sampling, chunk_size=cfg.policy.generation_batch_size)
