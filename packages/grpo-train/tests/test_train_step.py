@@ -11,11 +11,11 @@ import math
 import pytest
 import torch
 
+from grpo_train import train_step
 from grpo_train.batch import Rollout
 from grpo_train.config import validate_config_dict
 from grpo_train.policy.worker import pg_loss_config
-from grpo_train import train_step
-from grpo_train.train_step import add_advantages, add_logprobs, prepare_batch, process_age_s
+from grpo_train.train_step import add_advantages, add_logprobs, prepare_batch
 
 torch.set_num_threads(1)
 

@@ -15,8 +15,15 @@ from grpo_train.generation.base import SamplingSpec
 from grpo_train.rollout import rollout_batch
 from grpo_train.rollout.dynamic_sampling import fill_with_signal
 from grpo_train.run_state import TrainerState, save_checkpoint
-from grpo_train.train_step import (PhaseTimer, add_advantages, add_logprobs, check_refit, prepare_batch, process_age_s,
-                                   push_weights)
+from grpo_train.train_step import (
+    PhaseTimer,
+    add_advantages,
+    add_logprobs,
+    check_refit,
+    prepare_batch,
+    process_age_s,
+    push_weights,
+)
 from grpo_train.validation import validate
 
 # Distinct seeds per step so a resumed run samples exactly what the uninterrupted run sampled.
