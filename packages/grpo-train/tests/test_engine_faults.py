@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 
@@ -27,7 +28,7 @@ PROMPTS, SAMPLES = 4, 4
 WALL_TIME = ("timing/", "tokens_per_s", "async/")
 
 
-def config(steps: int, restarts: int, **grpo):
+def config(steps: int, restarts: int, backend: str = "hf", **grpo):
     from grpo_train.config import validate_config_dict
 
     raw = {
@@ -35,11 +36,13 @@ def config(steps: int, restarts: int, **grpo):
                  "seed": 7, "val_period": 0, "val_at_start": False, "val_at_end": False, **grpo},
         "policy": {"model_name": "builtin:arith-tiny", "precision": "float32", "train_global_batch_size": 16,
                    "train_micro_batch_size": 16, "max_total_sequence_length": 32, "generation_batch_size": 2,
-                   "generation": {"backend": "hf", "max_new_tokens": 8, "max_engine_restarts": restarts}},
+                   "generation": {"backend": backend, "max_new_tokens": 8, "max_engine_restarts": restarts,
+                                  "vllm_cfg": {"max_model_len": 32, "kv_cache_space_gb": 0.25}}},
         "data": {"max_input_seq_length": 16,
                  "train": {"dataset_name": "arithmetic", "size": 1000, "seed": 1, "digits": 2, "processor": "plain",
                            "env_name": "arithmetic"}},
         "env": {"arithmetic": {"num_workers": 1}},
+        "loss_fn": {"use_importance_sampling_correction": True},  # as async GRPO requires, in both loops
         "checkpointing": {"enabled": False},
         "logger": {"wandb_enabled": False, "tensorboard_enabled": False, "plot_enabled": False},
     }
@@ -117,10 +120,10 @@ def test_sync_run_survives_a_killed_engine_then_stops_with_one_line(uninterrupte
     for got, expected in zip(rows, uninterrupted[:2]):
         assert without_wall_time({**got, "generation/engine_restarts": 0.0}) == without_wall_time(expected)
     assert [r["generation/engine_restarts"] for r in rows] == [0.0, 1.0]
-    said = [line for line in err.splitlines() if line.startswith("grpo: ")]  # not the progress bar's
-    last = said[-1]
-    assert last == ("grpo: run stopped at step 3: generation engine 0 of 1 died during generation (ActorDiedError) "
-                    "after 1 restart(s) (policy.generation.max_engine_restarts=1); the last checkpoint stays intact")
+    said = [line for line in re.split(r"[\r\n]", err) if line.startswith("grpo: ")]  # not the progress bar's
+    assert said[-1] == ("grpo: run stopped at step 3: generation engine 0 of 1 died during generation "
+                        "(ActorDiedError) after 1 restart(s) (policy.generation.max_engine_restarts=1); the last "
+                        "checkpoint stays intact"), err
     assert "Traceback" not in err and err.count("ActorDiedError") == 1, err
 
 
@@ -132,17 +135,18 @@ def test_async_run_survives_a_killed_engine_under_the_collector(uninterrupted, t
     exactly its own prompts, once, from the weights before it."""
     from grpo_train import async_loop, setup
 
-    cfg, raw = config(steps=3, restarts=1, async_grpo={"enabled": True, "max_trajectory_age_steps": 0})
-    hf_cfg, _ = config(steps=3, restarts=1)  # the async config names vLLM; the engine here is HF
-    real_factories, real_push = setup.engine_factories, async_loop.push_weights
+    cfg, raw = config(steps=3, restarts=1, backend="vllm", async_grpo={"enabled": True, "max_trajectory_age_steps": 0})
+    hf_cfg, _ = config(steps=3, restarts=1)  # async GRPO's config names vLLM; the engine here is HF all the same
+    real_factories = setup.engine_factories
     monkeypatch.setattr(setup, "engine_factories", lambda _cfg, path, policy: real_factories(hf_cfg, path, policy))
     taken = []
 
     def push_weights(cfg, parts, collector, version):
-        if version != 1:
-            return real_push(cfg, parts, collector, version)
+        # The loop's push without the async engine's pause options (the HF engine takes none; with
+        # in-flight updates off they change nothing).
         parts.policy.push_weights(version)
-        kill_engine_process(parts.generator)  # before the collector may start step 2's batch with it
+        if version == 1:
+            kill_engine_process(parts.generator)  # before the collector may start step 2's batch with it
         ray.get(collector.weights_loaded.remote(version))
 
     def take_groups(*args):
@@ -163,3 +167,72 @@ def test_async_run_survives_a_killed_engine_under_the_collector(uninterrupted, t
     assert [[(t, v) for t, v, _ in step] for step in taken] == [[(s, s - 1)] * PROMPTS for s in (1, 2, 3)]
     indices = [i for step in taken for _, _, i in step]
     assert len(indices) == len(set(indices)) == 3 * PROMPTS
+
+
+def test_a_dead_engine_of_a_group_is_replaced_alone_with_the_current_weights(ray_session, tiny_qwen2_dir):
+    """Two HF engines behind a `GeneratorGroup`, holding pushed weights (version 3, not the model
+    folder's). Engine 1's process is killed; the retried call restarts engine 1 only (engine 0 keeps
+    its actor), pushes version 3 into it and returns bitwise the samples of the call before the
+    kill. A second death with the one restart spent raises `EngineFailed` naming engine 1; an
+    error that is not an engine's passes through untouched."""
+    from functools import partial
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from grpo_train.engine_faults import EngineFailed, EngineSupervisor
+    from grpo_train.generation import SamplingSpec, make_generation_actor
+    from grpo_train.generation.group import GeneratorGroup
+    from grpo_train.weight_sync import state_dict_for_refit
+
+    class Trainer:  # the policy side of an object-store push: its current weights
+        def __init__(self, path: str) -> None:
+            model = AutoModelForCausalLM.from_pretrained(path)
+            gen = torch.Generator().manual_seed(3)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.05 * torch.randn(p.shape, generator=gen))
+            self.state = state_dict_for_refit(model)
+
+        def weights(self):
+            return self.state
+
+    start = partial(make_generation_actor, "hf", tiny_qwen2_dir, num_cpus=1, max_model_len=64, seed=0)
+    group = GeneratorGroup([start(), start()])
+    trainer = ray.remote(num_cpus=0)(Trainer).remote(tiny_qwen2_dir)
+    parts = SimpleNamespace(generator=group, policy=trainer, engine_factories=[start, start])
+    prompts = [[3 + (5 * i + j) % 60 for j in range(6 + i)] for i in range(4)]
+
+    def sample():
+        ray.get(group.reseed.remote(5))
+        return [(r.prompt_index, r.response_ids, r.response_logprobs)
+                for r in ray.get(group.generate.remote(prompts, SamplingSpec(max_new_tokens=4, n=2)))]
+
+    try:
+        ray.get(group.update_weights.remote(trainer.weights.remote(), 3))
+        before = sample()
+        first, second = group.engines
+        supervisor = EngineSupervisor(parts, max_restarts=1, version=lambda: 3)
+        kill_engine_process(second)
+        assert supervisor.retry("generation", sample) == before
+        assert group.engines[0] is first and group.engines[1] is not second
+        assert ray.get([e.weight_version.remote() for e in group.engines]) == [3, 3]
+        assert supervisor.metrics() == {"generation/engine_restarts": 1.0}
+        with pytest.raises(ValueError, match="not an engine's"):
+            supervisor.retry("generation", lambda: (_ for _ in ()).throw(ValueError("not an engine's")))
+        kill_engine_process(group.engines[1])
+        with pytest.raises(EngineFailed, match=r"^generation engine 1 of 2 died during generation \(ActorDiedError\) "
+                                               r"after 1 restart\(s\) \(policy.generation.max_engine_restarts=1\)"):
+            supervisor.retry("generation", sample)
+    finally:
+        group.close()
+        ray.kill(trainer)
+
+
+def test_max_engine_restarts_is_refused_below_zero_at_its_key_path():
+    from grpo_train.config import validate_config_dict
+    from grpo_train.config.errors import ConfigError
+
+    assert validate_config_dict({"policy": {"generation": {"max_engine_restarts": 0}}}).policy.generation.max_engine_restarts == 0
+    with pytest.raises(ConfigError, match="policy.generation.max_engine_restarts"):
+        validate_config_dict({"policy": {"generation": {"max_engine_restarts": -1}}})

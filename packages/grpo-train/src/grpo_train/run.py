@@ -130,6 +130,8 @@ def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None =
             else:
                 state = train_sync(cfg, parts, logger, checkpoints, state)
         except (NonFiniteLossError, weight_sync.RefitMismatchError, EngineFailed) as exc:
+            logger.close()  # ends the progress bar's line first
+            logger = None
             say(f"run stopped at step {state.step + 1}: {exc}")
             return EXIT_RUN_STOPPED
         logger.close()
