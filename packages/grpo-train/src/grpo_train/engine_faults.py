@@ -57,6 +57,7 @@ class EngineSupervisor:
         self.refit_gate = refit_gate  # called with the generator after a restart's push
         self.restarts = 0
         self.listeners: list[Callable[[Any], None]] = []  # told the new generator after a restart
+        self.last_probe: list = []  # the rollouts the loop's refit check scored last (`checked_refit`)
 
     def retry(self, phase: str, attempt: Callable[[], T], rewind: Callable[[], None] | None = None) -> T:
         """`attempt()`; after an engine death, restart the dead engines, `rewind()` and attempt again."""
@@ -120,7 +121,6 @@ def supervise(cfg, parts, state) -> EngineSupervisor:
     from grpo_train.train_step import check_refit
 
     supervisor = EngineSupervisor(parts, cfg.policy.generation.max_engine_restarts, lambda: state.weight_version)
-    supervisor.last_probe = []
 
     def gate(generator) -> None:
         if cfg.grpo.refit_check.enabled and supervisor.last_probe:
