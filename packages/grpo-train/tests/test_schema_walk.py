@@ -162,6 +162,7 @@ TABLE = {
     "policy.generation.colocated.resources.num_nodes": T("packages/grpo-cli/tests/test_plan.py::test_separate_async_engine_and_reward_model_get_gpus_on_two_nodes"),
     "policy.generation.weight_transport": T("packages/grpo-train/tests/test_weight_transport.py::test_tensor_metadata_survives_plain_rows"),
     "policy.generation.refit_buffer_size_gb": T("tests/test_e2e_async.py::test_zero_age_async_reproduces_the_sync_loop"),
+    "policy.generation.max_engine_restarts": T("packages/grpo-train/tests/test_engine_faults.py::test_sync_run_survives_a_killed_engine_then_stops_with_one_line"),
     "data.max_input_seq_length": T("packages/grpo-data/tests/test_datasets.py::test_build_dataset_arithmetic_demo"),
     "data.shuffle": R("grpo_train/setup.py"),
     "data.num_workers": R("grpo_train/setup.py"),

@@ -24,10 +24,11 @@ import ray
 from grpo_train.collector import SharedParts, make_collector_actor
 from grpo_train.config.schema import GRPOMasterConfig
 from grpo_train.deadline import SaveDeadline
+from grpo_train.engine_faults import EngineSupervisor, checked_refit, supervise
 from grpo_train.replay_buffer import GroupEntry, make_replay_buffer_actor
 from grpo_train.run_state import TrainerState, save_checkpoint
 from grpo_train.sync_loop import run_validation, total_steps
-from grpo_train.train_step import PhaseTimer, add_advantages, add_logprobs, check_refit, prepare_batch
+from grpo_train.train_step import PhaseTimer, add_advantages, add_logprobs, prepare_batch
 
 POLL_S = 0.02  # how often the trainer looks into the buffer while it waits for groups
 BUFFER_FILE, COLLECTOR_FILE = "replay_buffer", "collector"  # checkpoint state files (state_io), beside "dataloader"
@@ -38,9 +39,11 @@ def train_async(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Traine
     pad_id = parts.tokenizer.pad_token_id if parts.tokenizer.pad_token_id is not None else parts.tokenizer.eos_token_id
     in_flight = cfg.grpo.async_grpo.in_flight_weight_updates
     buffer, collector = make_collector(cfg, parts, checkpoints, state, last)  # starts up meanwhile
+    engines = supervise(cfg, parts, state)  # a restarted engine is handed to the collector too
+    engines.listeners.append(lambda generator: ray.get(collector.replace_engine.remote(generator, state.weight_version)))
     try:
         if state.step == 0 and cfg.grpo.val_at_start:
-            run_validation(cfg, parts, logger, step=0)
+            run_validation(cfg, parts, logger, 0, engines)
         ray.get(collector.start.remote())
         before = ray.get(collector.stats.remote())
         deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by)
@@ -49,7 +52,7 @@ def train_async(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Traine
             timer = PhaseTimer()
 
             with timer("wait_for_groups"):
-                groups = take_groups(cfg, buffer, collector, step, state.weight_version)
+                groups = take_groups(cfg, buffer, collector, step, state.weight_version, engines)
             rollouts = [r for g in groups for r in g.rollouts]
             state.consumed_prompts += len(groups)
             batch, metrics = prepare_batch(cfg, rollouts, pad_id)
@@ -61,13 +64,13 @@ def train_async(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Traine
             with timer("refit"):
                 state.weight_version += 1
                 held = not in_flight  # the push waits for older batches, then holds the next one
-                push_wait = ray.get(collector.hold.remote(state.weight_version)) if held else 0.0
-                push_weights(cfg, parts, collector, state.weight_version)
+                push_wait = hold(collector, engines, state.weight_version) if held else 0.0
+                engines.retry("the weight push", lambda: push_weights(cfg, parts, collector, state.weight_version))
             refit = cfg.grpo.refit_check
             if refit.enabled and state.weight_version % refit.period == 0:
                 with timer("refit_check"):
                     probe = rollouts[: refit.num_probe_sequences]
-                    metrics |= check_refit(cfg, parts.policy, parts.generator, probe)
+                    metrics |= checked_refit(cfg, parts, engines, probe)
 
             state.step = step
             state.epoch = groups[-1].epoch
@@ -75,16 +78,16 @@ def train_async(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Traine
             metrics |= groups[0].env_metrics
             metrics |= pipeline_metrics(groups, ray.get(buffer.size.remote()), stats, before, timer, push_wait)
             before = stats
-            metrics |= timer.metrics()
+            metrics |= timer.metrics() | engines.metrics()
             logger.log(metrics, step)
 
             due_val = (cfg.grpo.val_period and step % cfg.grpo.val_period == 0) or (step == last and cfg.grpo.val_at_end)
             stop = deadline.step_done() and step < last
             due_ckpt = checkpoints is not None and (step % cfg.checkpointing.save_period == 0 or step == last or stop)
             if (due_val or due_ckpt) and not held:
-                ray.get(collector.hold.remote())
+                hold(collector, engines)
                 held = True
-            val_metrics = run_validation(cfg, parts, logger, step) if due_val else {}
+            val_metrics = run_validation(cfg, parts, logger, step, engines) if due_val else {}
             if due_ckpt:
                 ckpt_metrics = {f"val_{k}": v for k, v in val_metrics.items()} if val_metrics else None
                 save_async_checkpoint(checkpoints, parts, buffer, collector, state, ckpt_metrics)
@@ -133,23 +136,43 @@ def push_weights(cfg: GRPOMasterConfig, parts, collector, version: int) -> None:
     ray.get(collector.weights_loaded.remote(version))
 
 
-def take_groups(cfg: GRPOMasterConfig, buffer, collector, step: int, version: int) -> list[GroupEntry]:
-    """The groups targeted at `step`, waiting for them; stale ones (possible only after a resume
-    with a smaller age bound) are dropped and their prompts generated again with the current weights."""
+def take_groups(cfg: GRPOMasterConfig, buffer, collector, step: int, version: int,
+                engines: EngineSupervisor) -> list[GroupEntry]:
+    """The groups targeted at `step`, waiting for them (and restarting the engine if it died under
+    the collector); stale ones (possible only after a resume with a smaller age bound) are dropped
+    and their prompts generated again with the current weights."""
     count = cfg.grpo.num_prompts_per_step
     while (taken := ray.get(buffer.take.remote(step, version, count))) is None:
         if (error := ray.get(collector.error.remote())) is not None:
             raise RuntimeError(f"the trajectory collector stopped: {error}")
+        recover_collector(collector, engines)
         time.sleep(POLL_S)
     if not taken.stale:
         return taken.fresh
-    ray.get(collector.hold.remote())
+    hold(collector, engines)
     try:
-        fresh = ray.get(collector.regenerate.remote(taken.stale, version))
+        fresh = engines.retry("generation", lambda: ray.get(collector.regenerate.remote(taken.stale, version)))
     finally:
         ray.get(collector.release.remote())
     ray.get(buffer.record_regenerated.remote(fresh, step, version))
     return sorted(taken.fresh + fresh, key=lambda g: g.prompt_index)
+
+
+def recover_collector(collector, engines: EngineSupervisor) -> None:
+    """If the engine died under the collector: restart it (the supervisor's listener hands it to
+    the collector), or hand over the engine a restart already brought up."""
+    if (lost := ray.get(collector.lost_engine.remote())) is None:
+        return
+    if not engines.restart_dead("generation", lost):
+        for listener in engines.listeners:
+            listener(engines.parts.generator)
+
+
+def hold(collector, engines: EngineSupervisor, until_version: int | None = None) -> float:
+    """`collector.hold`, restarting the engine first whenever it died under the collector."""
+    while (waited := ray.get(collector.hold.remote(until_version))) is None:
+        recover_collector(collector, engines)
+    return waited
 
 
 def pipeline_metrics(groups: list[GroupEntry], buffer_size: int, stats: dict, before: dict, timer: PhaseTimer,

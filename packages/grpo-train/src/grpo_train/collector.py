@@ -22,6 +22,12 @@ Holds. `hold()` waits for the batch being generated and then keeps the next one 
 until `release()`: the loop holds the collector while it validates and saves a checkpoint, so
 that the buffer, the collector's dataloader position and its next step are saved as one
 consistent picture (a batch is drawn, generated and pushed under the same lock).
+
+Engine deaths. When the engine dies under a batch, the production loop stops and keeps the
+batch's prompts (`lost_engine` says so; a hold returns None instead of holding); the loop
+restarts the engine (grpo_train.engine_faults) and hands the new one over (`replace_engine`),
+and the same prompts are generated again for the same step with the same seed. Until then the
+saved dataloader position is the one before those prompts: no group is lost or made twice.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from typing import Any
 
 import ray
 
+from grpo_train.engine_faults import answers, is_engine_fault
 from grpo_train.replay_buffer import GroupEntry
 
 # Distinct seeds per step: the sync loop's seeds, so max_age 0 samples what the sync loop samples.
@@ -77,6 +84,8 @@ class TrajectoryCollector:
         self.idle_s = 0.0  # waiting because it is max_age ahead, or held
         self.generate_s = 0.0
         self.batches = 0
+        self._pending: tuple | None = None  # (target, datums, epoch, dataloader position before them)
+        self._lost: str | None = None  # why the production loop stopped on a dead engine
 
     # -- the production loop --------------------------------------------------------------------
 
@@ -91,7 +100,14 @@ class TrajectoryCollector:
                 await self._wait_for(lambda: self.version >= self.next_target - 1 - self.max_age)
                 async with self._lock:
                     self.idle_s += time.perf_counter() - idle
-                    await asyncio.to_thread(self._generate_batch, self.next_target, self.version)
+                    engine = self.parts.generator  # the loop may replace it while this batch fails
+                    try:
+                        await asyncio.to_thread(self._generate_batch, self.next_target, self.version)
+                    except Exception as exc:
+                        if not is_engine_fault(exc) or await asyncio.to_thread(answers, engine):
+                            raise
+                        self._lost = type(getattr(exc, "cause", None) or exc).__name__
+                        return
                     self.next_target += 1
                 await self._notify()
         finally:
@@ -100,10 +116,13 @@ class TrajectoryCollector:
     def _generate_batch(self, target: int, version: int) -> None:
         """Draw the prompts of step `target`, roll them out and push their groups (a thread)."""
         start = time.perf_counter()
-        datums = next(self.train_data)
-        epoch = getattr(self.train_data, "epoch", 0)
+        if self._pending is None or self._pending[0] != target:  # else: the prompts a dead engine left
+            position = self.train_data.state_dict()
+            self._pending = (target, next(self.train_data), getattr(self.train_data, "epoch", 0), position)
+        _, datums, epoch, _ = self._pending
         entries = self.rollout(datums, target, version, epoch)
         ray.get(self.buffer.push.remote(entries))
+        self._pending = None
         self.generate_s += time.perf_counter() - start
         self.batches += 1
 
@@ -127,15 +146,18 @@ class TrajectoryCollector:
         self.version = version
         await self._notify()
 
-    async def hold(self, until_version: int | None = None) -> float:
+    async def hold(self, until_version: int | None = None) -> float | None:
         """Wait until the batches that `until_version`'s push must not overtake are generated
-        (see the module docstring), then keep the next batch from starting; returns seconds waited."""
+        (see the module docstring), then keep the next batch from starting; returns seconds waited
+        (None, holding nothing, when the engine died meanwhile: see `replace_engine`)."""
         start = time.perf_counter()
         if until_version is not None:
             last_old = min(until_version + self.max_age, self.last_step)
             await self._wait_for(lambda: self.next_target > last_old or self._stopped())
             if (error := await self.error()) is not None:
                 raise RuntimeError(f"the trajectory collector stopped: {error}")
+        if self._lost is not None:
+            return None
         await self._lock.acquire()
         return time.perf_counter() - start
 
@@ -151,8 +173,24 @@ class TrajectoryCollector:
         return fresh
 
     async def state_dict(self) -> dict:
-        """Next step and dataloader position (call while held: they then match the buffer)."""
-        return {"next_target": self.next_target, "dataloader": self.train_data.state_dict()}
+        """Next step and dataloader position (call while held: they then match the buffer); the
+        position before prompts a dead engine left ungenerated."""
+        position = self._pending[3] if self._pending is not None else self.train_data.state_dict()
+        return {"next_target": self.next_target, "dataloader": position}
+
+    async def lost_engine(self) -> str | None:
+        """Why production stopped on a dead engine (the error's name), or None."""
+        return self._lost
+
+    async def replace_engine(self, generator, version: int) -> None:
+        """Generate with `generator` from now on, which holds weight `version` (a restarted engine
+        loaded with the trainer's current weights); production resumes where it stopped."""
+        self.parts.generator = generator
+        self.version = version
+        if self._lost is not None:
+            self._lost = None
+            self._task = asyncio.get_running_loop().create_task(self._produce())
+        await self._notify()
 
     async def stats(self) -> dict[str, float]:
         """Cumulative seconds idle and generating, batches generated, the next step to generate."""

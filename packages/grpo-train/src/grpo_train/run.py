@@ -1,8 +1,8 @@
 """Entry points behind `grpo train` and `grpo eval`: run folder, Ray, components, the loop.
 
 Returns process exit codes: 0 done, 1 the run stopped on a training problem (non-finite loss,
-refit mismatch: the last checkpoint stays intact), 2 a startup problem a person must fix (among
-them: checkpoints exist but none is intact, or the config changed in a way resume refuses).
+refit mismatch, an engine dead after its restarts: the last checkpoint stays intact), 2 a startup
+problem a person must fix (among them: checkpoints exist but none is intact, or the config changed in a way resume refuses).
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ def choose_resume_point(checkpoints, resolved: dict) -> Path | None:
 def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None = None) -> int:
     from grpo_train import weight_sync
     from grpo_train.checkpoint import CheckpointManager
+    from grpo_train.engine_faults import EngineFailed
     from grpo_train.loggers import MetricsLogger
     from grpo_train.run_state import TrainerState, restore_checkpoint
     from grpo_train.setup import (
@@ -132,7 +133,9 @@ def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None =
                 state = train_async(cfg, parts, logger, checkpoints, state)
             else:
                 state = train_sync(cfg, parts, logger, checkpoints, state)
-        except (NonFiniteLossError, weight_sync.RefitMismatchError) as exc:
+        except (NonFiniteLossError, weight_sync.RefitMismatchError, EngineFailed) as exc:
+            logger.close()  # ends the progress bar's line first
+            logger = None
             say(f"run stopped at step {state.step + 1}: {exc}")
             return EXIT_RUN_STOPPED
         logger.close()

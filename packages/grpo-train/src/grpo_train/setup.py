@@ -194,6 +194,7 @@ class Components:
     policy: Any  # PolicyGroup: data-parallel PolicyWorkers, called like one actor
     generator: Any  # Ray actor handle of a Generator, or a GeneratorGroup of several engines
     train_sets: list | None = None  # the datasets train_data draws from (the async collector draws from them too)
+    engine_factories: list | None = None  # per engine: starts it again with the same placement (engine_faults)
 
     def shutdown(self) -> None:
         import ray
@@ -247,8 +248,23 @@ def attach_generators(cfg: GRPOMasterConfig, policy, generator) -> None:
 def start_generator(cfg: GRPOMasterConfig, model_path: str, policy):
     """The generation engine(s) of the run, placed as the config says (grpo_train.plan prints where):
     the async engine, or `place_generators`' engines (colocated in the policy's bundles, or separate)."""
-    from grpo_train.generation.actor import place_generators
+    return start_engines(engine_factories(cfg, model_path, policy))
+
+
+def start_engines(factories: list):
+    """One engine per factory: the single engine's handle, or a `GeneratorGroup` of several."""
     from grpo_train.generation.group import GeneratorGroup
+
+    engines = [start() for start in factories]
+    return engines[0] if len(engines) == 1 else GeneratorGroup(engines)
+
+
+def engine_factories(cfg: GRPOMasterConfig, model_path: str, policy) -> list:
+    """One function per generation engine of the run that starts it (again, after a death: see
+    grpo_train.engine_faults) with the same placement and options."""
+    from functools import partial
+
+    from grpo_train.generation.actor import generator_factories
 
     gen_cfg = cfg.policy.generation
     if gen_cfg.backend == "vllm":
@@ -268,15 +284,12 @@ def start_generator(cfg: GRPOMasterConfig, model_path: str, policy):
         # On GPUs the engine takes its tensor-parallel GPUs (from policy.generation.colocated.resources, which
         # async GRPO requires to be separate); Ray then gives it those devices and no others.
         gpus = vllm.tensor_parallel_size if cfg.cluster.gpus_per_node > 0 else 0
-        generator = make_async_generation_actor(model_path, num_cpus=1, num_gpus=gpus, prefix_caching=prefix_caching,
-                                                **gen_kwargs)
-    else:
-        resources = gen_cfg.colocated.resources
-        engines = place_generators(gen_cfg.backend, model_path, gpus_per_node=cfg.cluster.gpus_per_node,
-                                   colocated=gen_cfg.colocated.enabled, policy_placement_group=policy.placement_group,
-                                   separate_gpus=(resources.gpus_per_node or 0) * (resources.num_nodes or 1), **gen_kwargs)
-        generator = engines[0] if len(engines) == 1 else GeneratorGroup(engines)
-    return generator
+        return [partial(make_async_generation_actor, model_path, num_cpus=1, num_gpus=gpus,
+                        prefix_caching=prefix_caching, **gen_kwargs)]
+    resources = gen_cfg.colocated.resources
+    return generator_factories(gen_cfg.backend, model_path, gpus_per_node=cfg.cluster.gpus_per_node,
+                               colocated=gen_cfg.colocated.enabled, policy_placement_group=policy.placement_group,
+                               separate_gpus=(resources.gpus_per_node or 0) * (resources.num_nodes or 1), **gen_kwargs)
 
 
 def build_components(cfg: GRPOMasterConfig, model_path: str) -> Components:
@@ -289,7 +302,8 @@ def build_components(cfg: GRPOMasterConfig, model_path: str) -> Components:
     threads = threads_per_actor()
     policy = PolicyGroup(model_path, cfg.policy, cfg.loss_fn, cfg.cluster, cfg.grpo.seed, num_threads=threads,
                          colocated_generation=cfg.policy.generation.colocated.enabled, start=False)
-    generator = start_generator(cfg, model_path, policy)
+    factories = engine_factories(cfg, model_path, policy)
+    generator = start_engines(factories)
     tokenizer_path = resolve_model_path(cfg.policy.tokenizer.name, "policy.tokenizer.name") if cfg.policy.tokenizer.name else model_path
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     train_sets, val_set = build_datasets(cfg, tokenizer)
@@ -297,4 +311,4 @@ def build_components(cfg: GRPOMasterConfig, model_path: str) -> Components:
     val_datums = [val_set[i] for i in range(min(len(val_set), cfg.grpo.max_val_samples))] if val_set is not None else []
     envs = build_envs(cfg)
     attach_generators(cfg, policy, generator)
-    return Components(model_path, tokenizer, train_data, val_datums, envs, policy, generator, train_sets)
+    return Components(model_path, tokenizer, train_data, val_datums, envs, policy, generator, train_sets, factories)

@@ -11,19 +11,12 @@ import ray
 
 from grpo_train.config.schema import GRPOMasterConfig
 from grpo_train.deadline import SaveDeadline
+from grpo_train.engine_faults import EngineSupervisor, checked_refit, supervise
 from grpo_train.generation.base import SamplingSpec
 from grpo_train.rollout import rollout_batch
 from grpo_train.rollout.dynamic_sampling import fill_with_signal
 from grpo_train.run_state import TrainerState, save_checkpoint
-from grpo_train.train_step import (
-    PhaseTimer,
-    add_advantages,
-    add_logprobs,
-    check_refit,
-    prepare_batch,
-    process_age_s,
-    push_weights,
-)
+from grpo_train.train_step import PhaseTimer, add_advantages, add_logprobs, prepare_batch, process_age_s, push_weights
 from grpo_train.validation import validate
 
 # Distinct seeds per step so a resumed run samples exactly what the uninterrupted run sampled.
@@ -62,24 +55,30 @@ def record_rewards(train_data, rollouts) -> None:
     train_data.set_records({name: {"reward": sum(v) / len(v)} for name, v in sums.items() if name})
 
 
-def run_validation(cfg: GRPOMasterConfig, parts, logger, step: int) -> dict[str, float]:
+def run_validation(cfg: GRPOMasterConfig, parts, logger, step: int,
+                   engines: EngineSupervisor | None = None) -> dict[str, float]:
     if not parts.val_datums:
         return {}
-    metrics, samples = validate(parts.generator, parts.envs, parts.val_datums, sampling_spec(cfg),
-                                cfg.grpo.val_num_generations, cfg.grpo.val_batch_size)
+
+    def attempt():
+        return validate(parts.generator, parts.envs, parts.val_datums, sampling_spec(cfg),
+                        cfg.grpo.val_num_generations, cfg.grpo.val_batch_size)
+
+    metrics, samples = attempt() if engines is None else engines.retry("validation", attempt)
     logger.log(metrics, step, split="val")
     logger.log_samples(samples, step)
     return metrics
 
 
 def validate_and_save(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: TrainerState, last: int,
-                      extra_workers: dict | None = None, force_save: bool = False) -> None:
+                      extra_workers: dict | None = None, force_save: bool = False,
+                      engines: EngineSupervisor | None = None) -> None:
     """The end of a step: validation when due, then a checkpoint when due (ranked by val metrics)
     or forced (checkpointing.checkpoint_must_save_by)."""
     step = state.step
     val_metrics = {}
     if (cfg.grpo.val_period and step % cfg.grpo.val_period == 0) or (step == last and cfg.grpo.val_at_end):
-        val_metrics = run_validation(cfg, parts, logger, step)
+        val_metrics = run_validation(cfg, parts, logger, step, engines)
     if checkpoints is not None and (step % cfg.checkpointing.save_period == 0 or step == last or force_save):
         ckpt_metrics = {f"val_{k}": v for k, v in val_metrics.items()} if val_metrics else None
         save_checkpoint(checkpoints, parts, state, ckpt_metrics, extra_workers)
@@ -95,20 +94,37 @@ def collect_rollouts(cfg: GRPOMasterConfig, parts, sampling: SamplingSpec, state
     return fill_with_signal(cfg, parts, sampling, state, result)
 
 
+def generate_step(cfg: GRPOMasterConfig, parts, sampling: SamplingSpec, state: TrainerState, step: int,
+                  engines: EngineSupervisor):
+    """Reseed the engines for `step` and collect its rollouts; after an engine restart, again from
+    the same data position (same prompts, same seed, same weights: the same samples)."""
+    position, consumed = parts.train_data.state_dict(), state.consumed_prompts
+
+    def attempt():
+        ray.get(parts.generator.reseed.remote(step_seed(cfg, step)))
+        return collect_rollouts(cfg, parts, sampling, state)
+
+    def rewind() -> None:
+        parts.train_data.load_state_dict(position)
+        state.consumed_prompts = consumed
+
+    return engines.retry("generation", attempt, rewind)
+
+
 def train_sync(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: TrainerState) -> TrainerState:
     sampling = sampling_spec(cfg)
     last = total_steps(cfg, parts.train_data)
     pad_id = parts.tokenizer.pad_token_id if parts.tokenizer.pad_token_id is not None else parts.tokenizer.eos_token_id
+    engines = supervise(cfg, parts, state)
     if state.step == 0 and cfg.grpo.val_at_start:
-        run_validation(cfg, parts, logger, step=0)
+        run_validation(cfg, parts, logger, 0, engines)
     deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by)
     startup_s = process_age_s()  # process start -> first step (after the step-0 validation)
     while state.step < last:
         step = state.step + 1
         timer = PhaseTimer()
-        ray.get(parts.generator.reseed.remote(step_seed(cfg, step)))
 
-        result, sampling_metrics = collect_rollouts(cfg, parts, sampling, state)
+        result, sampling_metrics = generate_step(cfg, parts, sampling, state, step, engines)
         timer.add("generate", result.generate_s)
         timer.add("reward", result.reward_s)
         record_rewards(parts.train_data, result.rollouts)
@@ -120,23 +136,23 @@ def train_sync(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Trainer
             metrics |= ray.get(parts.policy.train.remote(batch))
         with timer("refit"):
             state.weight_version += 1
-            push_weights(parts.policy, parts.generator, state.weight_version)
+            engines.retry("the weight push", lambda: push_weights(parts.policy, parts.generator, state.weight_version))
         refit = cfg.grpo.refit_check
         if refit.enabled and state.weight_version % refit.period == 0:
             with timer("refit_check"):
                 probe = result.rollouts[: refit.num_probe_sequences]
-                metrics |= check_refit(cfg, parts.policy, parts.generator, probe)
+                metrics |= checked_refit(cfg, parts, engines, probe)
 
         state.step = step
         state.epoch = getattr(parts.train_data, "epoch", 0)
         generated_tokens = sum(len(r.response_ids) for r in result.rollouts)
-        metrics |= result.env_metrics | sampling_metrics | timer.metrics()
+        metrics |= result.env_metrics | sampling_metrics | timer.metrics() | engines.metrics()
         metrics["tokens_per_s"] = generated_tokens / max(result.generate_s, 1e-9)
         if startup_s is not None:  # the first step this process runs (a resumed run's too)
             metrics["timing/startup_s"], startup_s = startup_s, None
         logger.log(metrics, step)
         stop = deadline.step_done() and step < last
-        validate_and_save(cfg, parts, logger, checkpoints, state, last, force_save=stop)
+        validate_and_save(cfg, parts, logger, checkpoints, state, last, force_save=stop, engines=engines)
         if stop:
             deadline.announce(step)
             break

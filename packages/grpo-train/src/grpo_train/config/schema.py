@@ -452,6 +452,11 @@ class GenerationConfig(Section):
     on GPUs, collective when separate, object_store when colocated on CPU."""
     refit_buffer_size_gb: float = Field(1.0, gt=0)
     """Largest bucket the collective transport broadcasts at once (bounds the extra memory of a push)."""
+    max_engine_restarts: int = Field(2, ge=0)
+    """How many times a run restarts a generation engine that died (its Ray actor) before it stops:
+    the engine is started again with the same placement, loaded with the current weights over the
+    run's weight transport, and the step's generation is retried (grpo_train.engine_faults); 0: stop
+    at the first death."""
 
 
 class PolicyConfig(Section):

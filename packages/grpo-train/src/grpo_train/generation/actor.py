@@ -122,16 +122,29 @@ def make_generation_actor(
 
 def place_generators(backend: str, model_path: str, *, gpus_per_node: int, colocated: bool,
                      separate_gpus: int = 0, policy_placement_group=None, **kwargs: Any) -> list:
-    """Start the generation engines and return their handles (call `ready` to wait):
+    """Start the generation engines and return their handles (call `ready` to wait); see
+    `generator_factories` for where they go."""
+    return [start() for start in generator_factories(
+        backend, model_path, gpus_per_node=gpus_per_node, colocated=colocated, separate_gpus=separate_gpus,
+        policy_placement_group=policy_placement_group, **kwargs)]
+
+
+def generator_factories(backend: str, model_path: str, *, gpus_per_node: int, colocated: bool,
+                        separate_gpus: int = 0, policy_placement_group=None, **kwargs: Any) -> list:
+    """One function per engine that starts it and returns its handle; calling it again starts a
+    replacement with the same placement and options (grpo_train.engine_faults). The engines go:
 
       - CPU machines: one engine of one CPU, wherever Ray puts it;
       - GPUs, colocated: one engine per rank bundle of the policy's placement group, sharing its
         GPU (half each; the engine sleeps while the trainer runs), tensor parallel size 1;
       - GPUs, separate: `separate_gpus // tensor_parallel_size` engines of `tensor_parallel_size`
-        GPUs each, on a placement group of their own.
+        GPUs each, on a placement group of their own (created here, once).
     """
+    from functools import partial
+
+    _check_backend(backend)
     if gpus_per_node == 0:
-        return [make_generation_actor(backend, model_path, num_cpus=1, **kwargs)]
+        return [partial(make_generation_actor, backend, model_path, num_cpus=1, **kwargs)]
     tensor_parallel_size = kwargs.get("tensor_parallel_size", 1)
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -150,7 +163,7 @@ def place_generators(backend: str, model_path: str, *, gpus_per_node: int, coloc
                              f"tensor_parallel_size={tensor_parallel_size}")
         group = placement_group([{"GPU": tensor_parallel_size, "CPU": 1}] * engines, strategy="PACK")
         bundles, num_gpus = range(engines), tensor_parallel_size
-    return [make_generation_actor(backend, model_path, num_cpus=0 if colocated else 1, num_gpus=num_gpus,
-                                  actor_options={"scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)},
-                                  **kwargs)
+    return [partial(make_generation_actor, backend, model_path, num_cpus=0 if colocated else 1, num_gpus=num_gpus,
+                    actor_options={"scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)},
+                    **kwargs)
             for i in bundles]
