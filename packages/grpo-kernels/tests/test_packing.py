@@ -387,9 +387,13 @@ def spinner_progress_during(call) -> tuple[float, float, int]:
 def test_cpp_releases_the_gil_while_packing_a_million_items(algorithm):
     lengths, capacity = gsm_like(1_000_000, seed=11)
     cpp = PACKERS[algorithm].cpp
-    duration, stall, iterations = spinner_progress_during(lambda: cpp(lengths, capacity))
+    # On a loaded machine (the suite runs on two workers) the spinner can lose its core to another
+    # process for a while, which looks like a stall: the best of three calls is judged. A call that
+    # held the GIL would stall for all of its duration every time (the control below).
+    runs = [spinner_progress_during(lambda: cpp(lengths, capacity)) for _ in range(3)]
+    duration, stall, iterations = min(runs, key=lambda r: r[1] / r[0])
     assert duration > 0.02, "the call is too short for this check to mean anything"
-    assert iterations > 1000 and stall < 0.5 * duration, (duration, stall, iterations)
+    assert iterations > 1000 and stall < 0.5 * duration, runs
 
 
 def test_the_gil_check_catches_code_that_holds_the_gil():

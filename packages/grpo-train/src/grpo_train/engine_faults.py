@@ -21,6 +21,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from grpo_train.generation.group import GeneratorGroup, engines_of
+from grpo_train.train_step import check_refit, push_weights
 
 T = TypeVar("T")
 # An engine that does not answer `weight_version` in this long is taken for dead (a live one
@@ -102,7 +103,6 @@ class EngineSupervisor:
         return True
 
     def _reload_weights(self, engines: list) -> None:
-        from grpo_train.train_step import push_weights
 
         policy = self.parts.policy
         if getattr(policy, "transport", None) is not None:  # reconnect the run's transport to the new engines
@@ -118,7 +118,6 @@ class EngineSupervisor:
 def supervise(cfg, parts, state) -> EngineSupervisor:
     """The run's supervisor: `policy.generation.max_engine_restarts`, the state's weight version,
     and the refit check (when on) on the last probe the loop checked (`check_refit`)."""
-    from grpo_train.train_step import check_refit
 
     supervisor = EngineSupervisor(parts, cfg.policy.generation.max_engine_restarts, lambda: state.weight_version)
 
@@ -132,7 +131,6 @@ def supervise(cfg, parts, state) -> EngineSupervisor:
 
 def checked_refit(cfg, parts, supervisor: EngineSupervisor, probe: list) -> dict[str, float]:
     """The loop's refit check, through the supervisor (its probe then gates restarted engines too)."""
-    from grpo_train.train_step import check_refit
 
     supervisor.last_probe = list(probe)
     return supervisor.retry("the refit check", lambda: check_refit(cfg, parts.policy, parts.generator, probe))
