@@ -28,7 +28,7 @@ from grpo_train.engine_faults import EngineSupervisor, checked_refit, supervise
 from grpo_train.replay_buffer import GroupEntry, make_replay_buffer_actor
 from grpo_train.run_state import TrainerState, save_checkpoint
 from grpo_train.sync_loop import run_validation, total_steps
-from grpo_train.train_step import PhaseTimer, add_advantages, add_logprobs, prepare_batch
+from grpo_train.train_step import PhaseTimer, add_advantages, add_logprobs, prepare_batch, process_age_s
 
 POLL_S = 0.02  # how often the trainer looks into the buffer while it waits for groups
 BUFFER_FILE, COLLECTOR_FILE = "replay_buffer", "collector"  # checkpoint state files (state_io), beside "dataloader"
@@ -47,6 +47,7 @@ def train_async(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Traine
         ray.get(collector.start.remote())
         before = ray.get(collector.stats.remote())
         deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by)
+        startup_s = process_age_s()  # process start -> first step (after the step-0 validation)
         while state.step < last:
             step = state.step + 1
             timer = PhaseTimer()
@@ -79,6 +80,8 @@ def train_async(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Traine
             metrics |= pipeline_metrics(groups, ray.get(buffer.size.remote()), stats, before, timer, push_wait)
             before = stats
             metrics |= timer.metrics() | engines.metrics()
+            if startup_s is not None:  # the first step this process runs (a resumed run's too)
+                metrics["timing/startup_s"], startup_s = startup_s, None
             logger.log(metrics, step)
 
             due_val = (cfg.grpo.val_period and step % cfg.grpo.val_period == 0) or (step == last and cfg.grpo.val_at_end)

@@ -5,7 +5,8 @@ overlong filtering) -> prev/ref logprobs -> values -> GAE advantages and returns
 passes of value training and (from `ppo.policy_training_start_step`) policy training -> push
 weights into the generator (+ refit check) -> log -> validate -> checkpoint (policy, value
 model, dataloader, RNG). Rollout, logprobs, weight push, validation and checkpoints are the
-GRPO loop's own components; steps before the policy starts training push no weights.
+GRPO loop's own components; steps before the policy starts training push no weights. A dead
+generation engine is restarted and the phase retried as in the GRPO loop (engine_faults).
 """
 
 from __future__ import annotations
@@ -14,18 +15,18 @@ import ray
 
 from grpo_train.config.schema import GRPOMasterConfig
 from grpo_train.deadline import SaveDeadline
+from grpo_train.engine_faults import checked_refit, supervise
 from grpo_train.ppo.ppo_step import PPOComponents, add_values_and_advantages, mean_over_epochs, prepare_ppo_batch
 from grpo_train.run_state import TrainerState
 from grpo_train.sync_loop import (
-    collect_rollouts,
+    generate_step,
     record_rewards,
     run_validation,
     sampling_spec,
-    step_seed,
     total_steps,
     validate_and_save,
 )
-from grpo_train.train_step import PhaseTimer, add_logprobs, check_refit, mask_by_logprob_error, push_weights
+from grpo_train.train_step import PhaseTimer, add_logprobs, mask_by_logprob_error, process_age_s, push_weights
 
 
 def train_epochs(cfg: GRPOMasterConfig, parts: PPOComponents, batch, train_policy: bool) -> dict[str, float]:
@@ -42,15 +43,16 @@ def train_ppo(cfg: GRPOMasterConfig, parts: PPOComponents, logger, checkpoints, 
     sampling = sampling_spec(cfg)
     last = total_steps(cfg, parts.train_data)
     pad_id = parts.tokenizer.pad_token_id if parts.tokenizer.pad_token_id is not None else parts.tokenizer.eos_token_id
+    engines = supervise(cfg, parts, state)
     if state.step == 0 and cfg.grpo.val_at_start:
-        run_validation(cfg, parts, logger, step=0)
+        run_validation(cfg, parts, logger, 0, engines)
     deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by)
+    startup_s = process_age_s()  # process start -> first step (after the step-0 validation)
     while state.step < last:
         step = state.step + 1
         timer = PhaseTimer()
-        ray.get(parts.generator.reseed.remote(step_seed(cfg, step)))
 
-        result, sampling_metrics = collect_rollouts(cfg, parts, sampling, state)
+        result, sampling_metrics = generate_step(cfg, parts, sampling, state, step, engines)
         timer.add("generate", result.generate_s)
         timer.add("reward", result.reward_s)
         record_rewards(parts.train_data, result.rollouts)
@@ -66,22 +68,25 @@ def train_ppo(cfg: GRPOMasterConfig, parts: PPOComponents, logger, checkpoints, 
         if train_policy:
             with timer("refit"):
                 state.weight_version += 1
-                push_weights(parts.policy, parts.generator, state.weight_version)
+                engines.retry("the weight push", lambda: push_weights(parts.policy, parts.generator, state.weight_version))
             refit = cfg.grpo.refit_check
             if refit.enabled and state.weight_version % refit.period == 0:
                 with timer("refit_check"):
                     probe = result.rollouts[: refit.num_probe_sequences]
-                    metrics |= check_refit(cfg, parts.policy, parts.generator, probe)
+                    metrics |= checked_refit(cfg, parts, engines, probe)
 
         state.step = step
         state.epoch = getattr(parts.train_data, "epoch", 0)
         generated_tokens = sum(len(r.response_ids) for r in result.rollouts)
-        metrics |= result.env_metrics | sampling_metrics | timer.metrics()
+        metrics |= result.env_metrics | sampling_metrics | timer.metrics() | engines.metrics()
         metrics["tokens_per_s"] = generated_tokens / max(result.generate_s, 1e-9)
         metrics["policy_trained"] = float(train_policy)
+        if startup_s is not None:  # the first step this process runs (a resumed run's too)
+            metrics["timing/startup_s"], startup_s = startup_s, None
         logger.log(metrics, step)
         stop = deadline.step_done() and step < last
-        validate_and_save(cfg, parts, logger, checkpoints, state, last, parts.extra_workers, force_save=stop)
+        validate_and_save(cfg, parts, logger, checkpoints, state, last, parts.extra_workers, force_save=stop,
+                          engines=engines)
         if stop:
             deadline.announce(step)
             break
