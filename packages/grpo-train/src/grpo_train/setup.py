@@ -199,6 +199,7 @@ class Components:
     policy: Any  # PolicyGroup: data-parallel PolicyWorkers, called like one actor
     generator: Any  # Ray actor handle of a Generator, or a GeneratorGroup of several engines
     train_sets: list | None = None  # the datasets train_data draws from (the async collector draws from them too)
+    memory: Any = None  # colocation.MemoryChoreography: who holds a shared GPU when (inactive unless colocated on GPUs)
 
     def shutdown(self) -> None:
         import ray
@@ -287,6 +288,7 @@ def start_generator(cfg: GRPOMasterConfig, model_path: str, policy):
 def build_components(cfg: GRPOMasterConfig, model_path: str) -> Components:
     from transformers import AutoTokenizer
 
+    from grpo_train.colocation import MemoryChoreography
     from grpo_train.policy.group import PolicyGroup
 
     # The actors start first: the engine's start-up is the longest wait of a launch, and the
@@ -301,5 +303,7 @@ def build_components(cfg: GRPOMasterConfig, model_path: str) -> Components:
     train_data = build_train_iterator(cfg, train_sets)
     val_datums = [val_set[i] for i in range(min(len(val_set), cfg.grpo.max_val_samples))] if val_set is not None else []
     envs = build_envs(cfg)
+    memory = MemoryChoreography.for_run(cfg, policy, generator)
+    memory.start_engines_first()  # colocated on GPUs: engines profile a clean GPU before the trainer moves in
     attach_generators(cfg, policy, generator)
-    return Components(model_path, tokenizer, train_data, val_datums, envs, policy, generator, train_sets)
+    return Components(model_path, tokenizer, train_data, val_datums, envs, policy, generator, train_sets, memory)

@@ -5,13 +5,15 @@ overlong filtering) -> prev/ref logprobs -> values -> GAE advantages and returns
 passes of value training and (from `ppo.policy_training_start_step`) policy training -> push
 weights into the generator (+ refit check) -> log -> validate -> checkpoint (policy, value
 model, dataloader, RNG). Rollout, logprobs, weight push, validation and checkpoints are the
-GRPO loop's own components; steps before the policy starts training push no weights.
+GRPO loop's own components; steps before the policy starts training push no weights. The
+`memory.for_*` phases are the sync loop's (colocation.py). The value ranks hold GPUs of their own.
 """
 
 from __future__ import annotations
 
 import ray
 
+from grpo_train.colocation import MemoryChoreography
 from grpo_train.config.schema import GRPOMasterConfig
 from grpo_train.deadline import SaveDeadline
 from grpo_train.ppo.ppo_step import PPOComponents, add_values_and_advantages, mean_over_epochs, prepare_ppo_batch
@@ -35,7 +37,9 @@ def train_ppo(cfg: GRPOMasterConfig, parts: PPOComponents, logger, checkpoints, 
     sampling = sampling_spec(cfg)
     last = total_steps(cfg, parts.train_data)
     pad_id = parts.tokenizer.pad_token_id if parts.tokenizer.pad_token_id is not None else parts.tokenizer.eos_token_id
+    memory = MemoryChoreography.of(parts)
     if state.step == 0 and cfg.grpo.val_at_start:
+        memory.for_generation()
         run_validation(cfg, parts, logger, step=0)
     deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by)
     while state.step < last:
@@ -43,11 +47,13 @@ def train_ppo(cfg: GRPOMasterConfig, parts: PPOComponents, logger, checkpoints, 
         timer = PhaseTimer()
         ray.get(parts.generator.reseed.remote(step_seed(cfg, step)))
 
+        memory.for_generation()
         result, sampling_metrics = collect_rollouts(cfg, parts, sampling, state)
         timer.add("generate", result.generate_s)
         timer.add("reward", result.reward_s)
         record_rewards(parts.train_data, result.rollouts)
         batch, metrics = prepare_ppo_batch(cfg, result.rollouts, pad_id)
+        memory.for_training()
         with timer("logprob"):
             add_logprobs(cfg, parts.policy, batch)
         metrics |= mask_by_logprob_error(cfg, batch)
@@ -57,6 +63,7 @@ def train_ppo(cfg: GRPOMasterConfig, parts: PPOComponents, logger, checkpoints, 
         with timer("train"):
             metrics |= train_epochs(cfg, parts, batch, train_policy)
         if train_policy:
+            memory.for_refit()
             with timer("refit"):
                 state.weight_version += 1
                 push_weights(parts.policy, parts.generator, state.weight_version)
