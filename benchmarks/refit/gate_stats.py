@@ -102,7 +102,7 @@ def measure(trainer_precision: str, engine_precision: str, lr: float, n_prompts:
                         "trainer": trainer_precision, "engine": engine_precision, "steps": step, "case": case,
                         "lr": lr, "tokens": stats.tokens, "max_abs_diff": stats.max_abs_diff,
                         "mean_abs_diff": stats.mean_abs_diff, "token_mult_prob_error": stats.token_mult_prob_error,
-                        "gen_kl_error": stats.gen_kl_error})
+                        "gen_kl_error": stats.gen_kl_error, "seq_logratio_rms": stats.seq_logratio_rms})
             print(json.dumps({k: v for k, v in out[-1].items() if k != "diffs"}), flush=True)
             if dump is not None:
                 dump.write(json.dumps(out[-1]) + "\n")

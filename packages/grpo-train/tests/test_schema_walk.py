@@ -83,6 +83,7 @@ TABLE = {
     "grpo.refit_check.num_probe_sequences": R("grpo_train/sync_loop.py"),
     "grpo.refit_check.max_abs_logprob_diff": T("tests/test_e2e_ppo.py::test_ppo_value_loss_falls_and_held_out_accuracy_rises"),
     "grpo.refit_check.max_mean_abs_logprob_diff": T("packages/grpo-train/tests/test_refit_gate.py::test_defaults_follow_the_coarser_precision_and_keys_override_them"),
+    "grpo.refit_check.max_seq_logratio_rms": T("packages/grpo-train/tests/test_refit_gate.py::test_defaults_follow_the_coarser_precision_and_keys_override_them"),
     "grpo.refit_check.period": R("grpo_train/sync_loop.py"),
     "loss_fn.reference_policy_kl_penalty": R("grpo_train/train_step.py"),
     "loss_fn.reference_policy_kl_type": T("packages/grpo-kernels/tests/test_pg_loss.py::test_kl_types_at_the_clamps_by_hand"),

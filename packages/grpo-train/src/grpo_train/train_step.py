@@ -140,7 +140,9 @@ def refit_limits(cfg: GRPOMasterConfig) -> weight_sync.RefitLimits:
     return weight_sync.RefitLimits(
         max_abs_diff=check.max_abs_logprob_diff if check.max_abs_logprob_diff is not None else default.max_abs_diff,
         mean_abs_diff=(check.max_mean_abs_logprob_diff if check.max_mean_abs_logprob_diff is not None
-                       else default.mean_abs_diff))
+                       else default.mean_abs_diff),
+        seq_logratio_rms=(check.max_seq_logratio_rms if check.max_seq_logratio_rms is not None
+                          else default.seq_logratio_rms))
 
 
 def check_refit(cfg: GRPOMasterConfig, policy, generator, probe: list[Rollout]) -> dict[str, float]:

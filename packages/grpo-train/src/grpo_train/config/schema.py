@@ -82,6 +82,12 @@ class RefitCheckConfig(Section):
     this. null: the precision's default (weight_sync.DEFAULT_LIMITS): 1e-4 in float32 (healthy
     ~1e-6 on the demo model), 0.05 in bfloat16/float16 (healthy 6.5e-3..1.6e-2 on the demo model,
     measured; NeMo RL's healthy token_mult_prob_error ~1.05 is a mean of ~0.05)."""
+    max_seq_logratio_rms: float | None = Field(None, gt=0)
+    """Stop the run when sqrt(sum over probe sequences of (sum of the sequence's trainer - generator
+    logprobs)^2 / probe tokens) exceeds this (weight_sync.RefitStats.seq_logratio_rms): a broken refit
+    shifts a sequence's tokens alike, rounding noise cancels. null: the precision's default: not
+    gated in float32 (the max catches it), 0.05 in bfloat16/float16 (demo model, 3 seeds: healthy
+    <= 0.038, one tensor skipped for 10 steps >= 0.069; benchmarks/results/refit_gate_bf16.md)."""
     period: int = Field(1, ge=1)
     """Check every this many refits."""
 
