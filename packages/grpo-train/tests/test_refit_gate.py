@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from grpo_train.config.schema import GRPOMasterConfig, LossConfig, PolicyConfig
-from grpo_train.train_step import refit_limits
+from grpo_train.train_step import probe_size, refit_limits
 from grpo_train.weight_sync import DEFAULT_LIMITS, RefitLimits, RefitMismatchError, gate_precision, gate_refit, refit_stats
 
 # The tied embedding / lm_head: the tensor whose miss is the classic refit bug.
@@ -70,6 +70,8 @@ def test_defaults_follow_the_coarser_precision_and_keys_override_them():
     assert refit_limits(cfg("bfloat16", "bfloat16", max_abs_logprob_diff=0.5)) == RefitLimits(
         0.5, DEFAULT_LIMITS["bfloat16"].mean_abs_diff, DEFAULT_LIMITS["bfloat16"].seq_logratio_rms)
     assert refit_limits(cfg("bfloat16", "bfloat16", max_seq_logratio_rms=0.2)).seq_logratio_rms == 0.2
+    assert (probe_size(cfg("float32", "float32")), probe_size(cfg("bfloat16", "float32"))) == (4, 64)
+    assert probe_size(cfg("bfloat16", "bfloat16", num_probe_sequences=8)) == 8
     assert DEFAULT_LIMITS["float32"].seq_logratio_rms is None and DEFAULT_LIMITS["bfloat16"].seq_logratio_rms == 0.05
 
 

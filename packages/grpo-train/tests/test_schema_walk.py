@@ -80,7 +80,7 @@ TABLE = {
     "grpo.async_grpo.in_flight_weight_updates": R("grpo_train/async_loop.py"),
     "grpo.async_grpo.recompute_kv_cache_after_weight_updates": R("grpo_train/setup.py"),
     "grpo.refit_check.enabled": R("grpo_train/sync_loop.py"),
-    "grpo.refit_check.num_probe_sequences": R("grpo_train/sync_loop.py"),
+    "grpo.refit_check.num_probe_sequences": T("packages/grpo-train/tests/test_refit_gate.py::test_defaults_follow_the_coarser_precision_and_keys_override_them"),
     "grpo.refit_check.max_abs_logprob_diff": T("tests/test_e2e_ppo.py::test_ppo_value_loss_falls_and_held_out_accuracy_rises"),
     "grpo.refit_check.max_mean_abs_logprob_diff": T("packages/grpo-train/tests/test_refit_gate.py::test_defaults_follow_the_coarser_precision_and_keys_override_them"),
     "grpo.refit_check.max_seq_logratio_rms": T("packages/grpo-train/tests/test_refit_gate.py::test_defaults_follow_the_coarser_precision_and_keys_override_them"),

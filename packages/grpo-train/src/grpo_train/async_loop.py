@@ -73,8 +73,7 @@ def train_async(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Traine
             refit = cfg.grpo.refit_check
             if refit.enabled and state.weight_version % refit.period == 0:
                 with timer("refit_check"):
-                    probe = rollouts[: refit.num_probe_sequences]
-                    metrics |= check_refit(cfg, parts.policy, parts.generator, probe)
+                    metrics |= check_refit(cfg, parts.policy, parts.generator, rollouts)
 
             state.step = step
             state.epoch = groups[-1].epoch

@@ -69,8 +69,10 @@ class AsyncGRPOConfig(Section):
 class RefitCheckConfig(Section):
     enabled: bool = True
     """After each weight push, score a probe batch in trainer and generator and compare."""
-    num_probe_sequences: int = Field(4, ge=1)
-    """Sequences in the probe batch (taken from the first rollout)."""
+    num_probe_sequences: int | None = Field(None, ge=1)
+    """Sequences in the probe batch (the step's first rollouts). null: the default of the pair's coarser
+    precision (weight_sync.DEFAULT_PROBE_SEQUENCES): 4 in float32, 64 in bfloat16/float16, whose
+    statistics need more tokens (4 sequences would stop a healthy bf16 demo run in up to 25% of checks)."""
     max_abs_logprob_diff: float | None = Field(None, gt=0)
     """Stop the run when one probe token's |trainer - generator| logprob difference exceeds this.
     null: the default of the pair's coarser precision (policy.precision vs vllm_cfg.precision;

@@ -70,8 +70,7 @@ def train_ppo(cfg: GRPOMasterConfig, parts: PPOComponents, logger, checkpoints, 
             refit = cfg.grpo.refit_check
             if refit.enabled and state.weight_version % refit.period == 0:
                 with timer("refit_check"):
-                    probe = result.rollouts[: refit.num_probe_sequences]
-                    metrics |= check_refit(cfg, parts.policy, parts.generator, probe)
+                    metrics |= check_refit(cfg, parts.policy, parts.generator, result.rollouts)
 
         state.step = step
         state.epoch = getattr(parts.train_data, "epoch", 0)
