@@ -40,7 +40,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "grpo_train.ppo.estimators",
     )),
     ("step", ("grpo_train.train_step", "grpo_train.run_state", "grpo_train.setup", "grpo_train.ppo.ppo_step",
-              "grpo_train.config.checks", "grpo_train.engine_faults")),
+              "grpo_train.config.checks", "grpo_train.engine_faults", "grpo_train.colocation")),
     ("loops", ("grpo_train.sync_loop", "grpo_train.async_loop", "grpo_train.collector", "grpo_train.ppo.ppo_loop")),
     ("entry", ("grpo_train.run",)),
 ]

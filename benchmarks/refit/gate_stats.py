@@ -62,7 +62,7 @@ def train_batch(rollouts, pad: int = 0) -> dict[str, torch.Tensor]:
 
 
 def measure(trainer_precision: str, engine_precision: str, lr: float, n_prompts: int, seed: int,
-            steps: tuple[int, ...]) -> list[dict]:
+            steps: tuple[int, ...], dump=None) -> list[dict]:
     from transformers import AutoTokenizer
 
     path = str(builtin_model_path("arith-tiny"))
@@ -96,12 +96,17 @@ def measure(trainer_precision: str, engine_precision: str, lr: float, n_prompts:
         for case, weights in cases.items():
             version += 1
             engine.update_weights(weights, version)
-            stats = refit_stats(trainer, engine.score(seqs, plens))
-            out.append({"trainer": trainer_precision, "engine": engine_precision, "steps": step, "case": case,
+            generated = engine.score(seqs, plens)
+            stats = refit_stats(trainer, generated)
+            out.append({"seed": seed, "diffs": [[a - b for a, b in zip(x, y)] for x, y in zip(trainer, generated)],
+                        "trainer": trainer_precision, "engine": engine_precision, "steps": step, "case": case,
                         "lr": lr, "tokens": stats.tokens, "max_abs_diff": stats.max_abs_diff,
                         "mean_abs_diff": stats.mean_abs_diff, "token_mult_prob_error": stats.token_mult_prob_error,
-                        "gen_kl_error": stats.gen_kl_error})
-            print(json.dumps(out[-1]), flush=True)
+                        "gen_kl_error": stats.gen_kl_error, "seq_logratio_rms": stats.seq_logratio_rms})
+            print(json.dumps({k: v for k, v in out[-1].items() if k != "diffs"}), flush=True)
+            if dump is not None:
+                dump.write(json.dumps(out[-1]) + "\n")
+                dump.flush()
     engine.shutdown()
     return out
 
@@ -112,12 +117,16 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-5)  # the demo's
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="several seeds (overrides --seed)")
+    parser.add_argument("--dump", default=None, help="also write every case's per-token differences (JSON lines)")
     parser.add_argument("--steps", type=int, nargs="+", default=[1, 10], help="optimizer steps before measuring")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    for pair in args.pairs:
-        trainer, engine = pair.split(":")
-        measure(trainer, engine, args.lr, args.prompts, args.seed, tuple(args.steps))
+    dump = open(args.dump, "a") if args.dump else None
+    for seed in args.seeds or [args.seed]:
+        for pair in args.pairs:
+            trainer, engine = pair.split(":")
+            measure(trainer, engine, args.lr, args.prompts, seed, tuple(args.steps), dump)
 
 
 if __name__ == "__main__":

@@ -40,14 +40,18 @@ def test_grpo_math_1b_fits_80_gb_and_not_24_gb():
     cfg, _ = load_config("grpo_math_1B", [], [CONFIG_DIR])
     P = QWEN_1_5B
     # bf16 weights 2P + fp32 masters 4P + fp32 grads 4P + AdamW 8P + bf16 reference 2P; vLLM takes 0.6 of the GPU
+    # Colocated, held in turns (colocation.py): training = the trainer alone; refit = bf16 weights +
+    # fp32 masters (6P) beside the awake engine; generation = the engine alone. The peak is the largest.
     trainer = 20 * P / GB
     plan = make_plan(cfg, 80)
     (gpu,) = plan.gpus
-    assert gpu.total == pytest.approx(trainer + 0.6 * 80)
+    assert gpu.phase_totals() == pytest.approx({"training": trainer, "refit": 6 * P / GB + 0.6 * 80,
+                                                "generation": 0.6 * 80})
+    assert gpu.total == pytest.approx(6 * P / GB + 0.6 * 80) and gpu.peak_phase == "refit"  # 57.3, was 78.9 summed
     assert gpu.parts["engine KV cache"] == pytest.approx(0.6 * 80 - 2 * P / GB)
     assert not plan.problems
     small = make_plan(cfg, 24)
-    assert small.gpus[0].total == pytest.approx(trainer + 0.6 * 24)
+    assert small.gpus[0].total == pytest.approx(trainer) and small.gpus[0].peak_phase == "training"
     assert len(small.problems) == 1 and "policy.dtensor_cfg.cpu_offload" in small.problems[0]
 
 
@@ -57,7 +61,7 @@ def test_ppo_math_1b_puts_the_value_model_on_its_own_gpu():
     value = next(a for a in plan.actors if a.name == "value rank 0")
     assert (value.node, value.device, value.gpu) == (0, 1, 1.0)
     P = QWEN_1_5B
-    assert plan.gpus[0].total == pytest.approx(18 * P / GB + 0.6 * 80)  # no reference: kl penalty 0
+    assert plan.gpus[0].total == pytest.approx(6 * P / GB + 0.6 * 80)  # refit phase; no reference: kl penalty 0
     assert plan.gpus[1].total == pytest.approx(18 * P / GB)  # bf16 value model with fp32 masters
     assert not plan.problems
     assert any("value.num_workers" in p for p in make_plan(cfg, 24).problems)
@@ -98,7 +102,7 @@ def test_cli_plan_exit_codes(capsys):
     assert "engine 0 (colocated)" in out and "fits" in out
     assert main(["plan", "-c", "grpo_math_1B", "--gpu-memory-gb", "24"]) == 2
     out = capsys.readouterr().out
-    assert "does not fit: GPU 0 needs 45.3 GB" in out
+    assert "does not fit: GPU 0 needs 30.9 GB in its training phase" in out
     assert main(["plan", "-c", "grpo_math_1B", "policy.model_name=nobody/unknown-model"]) == 2
     assert "policy.model_name: cannot size 'nobody/unknown-model'" in capsys.readouterr().err
 
@@ -119,7 +123,7 @@ def test_train_refuses_a_plan_that_does_not_fit_before_any_actor(tmp_path, capsy
     from grpo_train.setup import StartupError, check_plan
 
     cfg, _ = load_config("grpo_math_1B", ["+cluster.gpu_memory_gb=24"], [CONFIG_DIR])
-    with pytest.raises(StartupError, match=r"^placement plan \(see `grpo plan`\): GPU 0 needs 45.3 GB"):
+    with pytest.raises(StartupError, match=r"^placement plan \(see `grpo plan`\): GPU 0 needs 30.9 GB in its training phase"):
         check_plan(cfg, None)
     assert not check_plan(load_config("grpo_math_1B", ["+cluster.gpu_memory_gb=80"], [CONFIG_DIR])[0], None).problems
     # the same through `grpo train`: exit 2 and one line, before Ray starts (the model is unknown offline,

@@ -148,14 +148,19 @@ def test_colocated_engine_sleeps_and_is_refit_over_ipc(tiny_qwen2_dir):
     engine = make_generation_actor("vllm", tiny_qwen2_dir, num_cpus=1, num_gpus=0.5, dtype="float32", max_model_len=128,
                                    seed=0, gpu_memory_utilization=0.3, temperature_for_logprobs=TEMPERATURE,
                                    enable_sleep_mode=True)
-    ray.get(engine.ready.remote())
+    from grpo_train.colocation import MemoryChoreography
+
     policy = PolicyGroup(tiny_qwen2_dir, cfg, LossConfig(), ClusterConfig(gpus_per_node=1), seed=0,
-                         colocated_generation=True)
+                         colocated_generation=True, start=False)
+    memory = MemoryChoreography(policy, [engine], active=True)
+    memory.start_engines_first()  # the engine profiles a clean GPU, sleeps; then the trainer moves in
     policy.attach(make_transport("ipc", 1.0), [engine])
     batch = train_batch()
-    batch["prev_logprobs"] = ray.get(policy.logprobs.remote(batch))  # puts the engine to sleep
+    memory.for_training()
+    batch["prev_logprobs"] = ray.get(policy.logprobs.remote(batch))
     ray.get(policy.train.remote(batch))
-    policy.push_weights(version=1)  # wakes it
+    memory.for_refit()  # gradients, optimizer state offloaded; the engine wakes
+    policy.push_weights(version=1)
     probe = [list(range(3, 27))]
     trainer = ray.get(policy.score.remote(probe, [6]))
     assert check_refit(trainer, ray.get(engine.score.remote(probe, [6])), float("inf")) <= 1e-3

@@ -5,7 +5,9 @@ buffer (`replay_buffer.py`); this loop trains on them. One step: take the groups
 this step (waiting if generation is behind) -> advantages -> prev/ref logprobs -> train -> push
 weights over the run's transport (object_store or collective) and tell the collector (+ refit
 check) -> log -> validate -> checkpoint. Every phase is the sync loop's component; what differs
-is where the groups come from and how old their weights are: step s trains at weight version
+is where the groups come from and how old their weights are (and that the async engine never shares
+the trainer's GPUs, so the `memory.for_*` phases of colocation.py, called at the sync loop's points,
+issue nothing): step s trains at weight version
 s - 1 on groups generated at versions >= s - 1 - max_trajectory_age_steps, and the loss's
 importance-sampling correction accounts for the gap.
 
@@ -22,6 +24,7 @@ from pathlib import Path
 import ray
 
 from grpo_train.collector import SharedParts, make_collector_actor
+from grpo_train.colocation import MemoryChoreography
 from grpo_train.config.schema import GRPOMasterConfig
 from grpo_train.deadline import SaveDeadline
 from grpo_train.engine_faults import EngineSupervisor, checked_refit, supervise
@@ -41,8 +44,10 @@ def train_async(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Traine
     buffer, collector = make_collector(cfg, parts, checkpoints, state, last)  # starts up meanwhile
     engines = supervise(cfg, parts, state)  # a restarted engine is handed to the collector too
     engines.listeners.append(lambda generator: ray.get(collector.replace_engine.remote(generator, state.weight_version)))
+    memory = MemoryChoreography.of(parts)
     try:
         if state.step == 0 and cfg.grpo.val_at_start:
+            memory.for_generation()
             run_validation(cfg, parts, logger, 0, engines)
         ray.get(collector.start.remote())
         before = ray.get(collector.stats.remote())
@@ -57,11 +62,13 @@ def train_async(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Traine
             rollouts = [r for g in groups for r in g.rollouts]
             state.consumed_prompts += len(groups)
             batch, metrics = prepare_batch(cfg, rollouts, pad_id)
+            memory.for_training()
             with timer("logprob"):
                 add_logprobs(cfg, parts.policy, batch)
             metrics |= add_advantages(cfg, rollouts, batch)
             with timer("train"):
                 metrics |= ray.get(parts.policy.train.remote(batch))
+            memory.for_refit()
             with timer("refit"):
                 state.weight_version += 1
                 held = not in_flight  # the push waits for older batches, then holds the next one
@@ -70,8 +77,7 @@ def train_async(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Traine
             refit = cfg.grpo.refit_check
             if refit.enabled and state.weight_version % refit.period == 0:
                 with timer("refit_check"):
-                    probe = rollouts[: refit.num_probe_sequences]
-                    metrics |= checked_refit(cfg, parts, engines, probe)
+                    metrics |= checked_refit(cfg, parts, engines, rollouts)
 
             state.step = step
             state.epoch = groups[-1].epoch
@@ -90,8 +96,11 @@ def train_async(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Traine
             if (due_val or due_ckpt) and not held:
                 hold(collector, engines)
                 held = True
+            if due_val:
+                memory.for_generation()
             val_metrics = run_validation(cfg, parts, logger, step, engines) if due_val else {}
             if due_ckpt:
+                memory.for_training()
                 ckpt_metrics = {f"val_{k}": v for k, v in val_metrics.items()} if val_metrics else None
                 save_async_checkpoint(checkpoints, parts, buffer, collector, state, ckpt_metrics)
             if held:

@@ -126,6 +126,9 @@ def supervise(cfg, parts, state) -> EngineSupervisor:
             check_refit(cfg, parts.policy, generator, supervisor.last_probe)
 
     supervisor.refit_gate = gate
+    memory = getattr(parts, "memory", None)
+    if memory is not None:  # the colocation choreography sleeps and wakes the restarted engines too
+        supervisor.listeners.append(memory.engines_replaced)
     return supervisor
 
 

@@ -12,6 +12,9 @@ bundle and the GPU share it gets, and estimates what each GPU holds:
     engine            policy.generation.vllm_cfg.gpu_memory_utilization x the GPU (vLLM takes this share
                       for its weights and KV cache; KV budget = that share - the engine's weights)
 
+A GPU shared by a rank and its colocated engine holds them in turns (grpo_train.colocation): its
+estimate is the largest of its phases (`COLOCATED_PHASES`: training = the trainer alone; refit = the
+trainer's weights and masters beside the awake engine; generation = the engine alone), not their sum.
 The trainer's parts are divided by the data-parallel ranks when FSDP2 shards them (dtensor_cfg.enabled
 null or true on GPUs) and leave the GPU when dtensor_cfg.cpu_offload is true. Activations and the
 CUDA context are not estimated: a plan that fits with under 10% to spare says so.
@@ -140,16 +143,39 @@ class Actor:
     device: int | None = None  # global GPU index (node * gpus_per_node + local)
 
 
+# What a colocated GPU holds in each phase of colocation.MemoryChoreography (part names as below;
+# the refit phase keeps the trainer's weights for the push, the rest is offloaded or freed).
+_ENGINE_PARTS = ("engine weights", "engine KV cache")
+COLOCATED_PHASES = {
+    "training": ("compute weights", "compute weights (gathered per layer)", "fp32 masters", "gradients", "optimizer",
+                 "reference"),
+    "refit": ("compute weights", "compute weights (gathered per layer)", "fp32 masters", *_ENGINE_PARTS),
+    "generation": _ENGINE_PARTS,
+}
+
+
 @dataclass
 class GpuLoad:
     index: int
     node: int
     parts: dict[str, float] = field(default_factory=dict)  # name -> GB
     role: str = "policy"
+    phases: dict[str, tuple[str, ...]] | None = None  # colocated: the parts resident in each phase
+
+    def phase_totals(self) -> dict[str, float]:
+        if self.phases is None:
+            return {"all": sum(self.parts.values())}
+        return {name: sum(v for k, v in self.parts.items() if k in held) for name, held in self.phases.items()}
+
+    @property
+    def peak_phase(self) -> str:
+        totals = self.phase_totals()
+        return max(totals, key=totals.get)
 
     @property
     def total(self) -> float:
-        return sum(self.parts.values())
+        """The most this GPU holds at once (the largest phase of a colocated GPU)."""
+        return max(self.phase_totals().values())
 
 
 @dataclass
@@ -172,7 +198,12 @@ class Plan:
             lines.append(f"memory per GPU (GB{cap}; activations and CUDA context not included):")
             for g in self.gpus:
                 parts = ", ".join(f"{k} {v:.1f}" for k, v in g.parts.items()) or "idle"
-                lines.append(f"  GPU {g.index} (node {g.node}): {g.total:.1f} = {parts}")
+                if g.phases is None:
+                    lines.append(f"  GPU {g.index} (node {g.node}): {g.total:.1f} = {parts}")
+                else:
+                    phases = ", ".join(f"{k} {v:.1f}" for k, v in g.phase_totals().items())
+                    lines.append(f"  GPU {g.index} (node {g.node}): peak {g.total:.1f} ({g.peak_phase}) of phases "
+                                 f"{phases}; parts {parts}")
         lines += [f"note: {n}" for n in self.notes]
         lines += [f"does not fit: {p}" for p in self.problems]
         if not self.problems and self.gpus:
@@ -226,6 +257,7 @@ def make_plan(cfg: GRPOMasterConfig, gpu_memory_gb: float | None = None, model_p
         for r, (node, dev) in enumerate(ranks):
             actors.append(Actor(f"engine {r} (colocated)", node, f"policy[{r}] (shared)", 0.5, dev))
             _engine_memory(gpus[dev], gen.backend, vllm.gpu_memory_utilization, engine_weights, 1, gpu_memory_gb)
+            gpus[dev].phases = COLOCATED_PHASES
     else:
         engines = separate // tp if separate else 0
         label = "async engine" if cfg.grpo.async_grpo.enabled else "engine"
@@ -317,10 +349,12 @@ def _check(cfg: GRPOMasterConfig, plan: Plan, gpus_wanted: int) -> None:
             plan.problems.append(f"GPU {load.index} (value rank) needs {load.total:.1f} GB of {plan.gpu_memory_gb:g} GB; "
                                  f"change value.num_workers (more ranks shard the value model's state) or value.precision")
         elif load.total > plan.gpu_memory_gb:
-            trainer = load.total - load.parts.get("engine weights", 0) - max(kv or 0, 0)
+            engine = load.parts.get("engine weights", 0) + max(kv or 0, 0)
+            trainer = sum(load.parts.values()) - engine
+            held = (f"in its {load.peak_phase} phase (trainer {trainer:.1f} and engine {engine:.1f} held in turns)"
+                    if load.phases else f"(trainer {trainer:.1f} + engine {engine:.1f})")
             plan.problems.append(
-                f"GPU {load.index} needs {load.total:.1f} GB (trainer {trainer:.1f} + engine "
-                f"{load.total - trainer:.1f}) of {plan.gpu_memory_gb:g} GB; change policy.num_workers (FSDP2 shards "
+                f"GPU {load.index} needs {load.total:.1f} GB {held} of {plan.gpu_memory_gb:g} GB; change policy.num_workers (FSDP2 shards "
                 f"the trainer's state over ranks), policy.dtensor_cfg.cpu_offload: true, "
                 f"policy.generation.vllm_cfg.gpu_memory_utilization, loss_fn.reference_policy_kl_penalty: 0 (no "
                 f"reference) or policy.generation.colocated.enabled: false")

@@ -195,6 +195,7 @@ class Components:
     generator: Any  # Ray actor handle of a Generator, or a GeneratorGroup of several engines
     train_sets: list | None = None  # the datasets train_data draws from (the async collector draws from them too)
     engine_factories: list | None = None  # per engine: starts it again with the same placement (engine_faults)
+    memory: Any = None  # colocation.MemoryChoreography: who holds a shared GPU when (inactive unless colocated on GPUs)
 
     def shutdown(self) -> None:
         import ray
@@ -295,6 +296,7 @@ def engine_factories(cfg: GRPOMasterConfig, model_path: str, policy) -> list:
 def build_components(cfg: GRPOMasterConfig, model_path: str) -> Components:
     from transformers import AutoTokenizer
 
+    from grpo_train.colocation import MemoryChoreography
     from grpo_train.policy.group import PolicyGroup
 
     # The actors start first: the engine's start-up is the longest wait of a launch, and the
@@ -310,5 +312,8 @@ def build_components(cfg: GRPOMasterConfig, model_path: str) -> Components:
     train_data = build_train_iterator(cfg, train_sets)
     val_datums = [val_set[i] for i in range(min(len(val_set), cfg.grpo.max_val_samples))] if val_set is not None else []
     envs = build_envs(cfg)
+    memory = MemoryChoreography.for_run(cfg, policy, generator)
+    memory.start_engines_first()  # colocated on GPUs: engines profile a clean GPU before the trainer moves in
     attach_generators(cfg, policy, generator)
-    return Components(model_path, tokenizer, train_data, val_datums, envs, policy, generator, train_sets, factories)
+    return Components(model_path, tokenizer, train_data, val_datums, envs, policy, generator, train_sets, factories,
+                      memory)

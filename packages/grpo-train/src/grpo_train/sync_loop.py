@@ -2,13 +2,15 @@
 
 One step: draw prompts -> rollout (generate N per prompt, score) -> advantages -> prev/ref
 logprobs -> train -> push weights into the generator (+ refit check) -> log -> validate ->
-checkpoint. Generation always uses the weights of the start of the step.
+checkpoint. Generation always uses the weights of the start of the step. `memory.for_*` mark
+the phases for an engine colocated on the trainer's GPUs (`colocation.py`; inactive otherwise).
 """
 
 from __future__ import annotations
 
 import ray
 
+from grpo_train.colocation import MemoryChoreography
 from grpo_train.config.schema import GRPOMasterConfig
 from grpo_train.deadline import SaveDeadline
 from grpo_train.engine_faults import EngineSupervisor, checked_refit, supervise
@@ -76,10 +78,13 @@ def validate_and_save(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: 
     """The end of a step: validation when due, then a checkpoint when due (ranked by val metrics)
     or forced (checkpointing.checkpoint_must_save_by)."""
     step = state.step
+    memory = MemoryChoreography.of(parts)
     val_metrics = {}
     if (cfg.grpo.val_period and step % cfg.grpo.val_period == 0) or (step == last and cfg.grpo.val_at_end):
+        memory.for_generation()
         val_metrics = run_validation(cfg, parts, logger, step, engines)
     if checkpoints is not None and (step % cfg.checkpointing.save_period == 0 or step == last or force_save):
+        memory.for_training()
         ckpt_metrics = {f"val_{k}": v for k, v in val_metrics.items()} if val_metrics else None
         save_checkpoint(checkpoints, parts, state, ckpt_metrics, extra_workers)
 
@@ -116,7 +121,9 @@ def train_sync(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Trainer
     last = total_steps(cfg, parts.train_data)
     pad_id = parts.tokenizer.pad_token_id if parts.tokenizer.pad_token_id is not None else parts.tokenizer.eos_token_id
     engines = supervise(cfg, parts, state)
+    memory = MemoryChoreography.of(parts)
     if state.step == 0 and cfg.grpo.val_at_start:
+        memory.for_generation()
         run_validation(cfg, parts, logger, 0, engines)
     deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by)
     startup_s = process_age_s()  # process start -> first step (after the step-0 validation)
@@ -124,24 +131,26 @@ def train_sync(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Trainer
         step = state.step + 1
         timer = PhaseTimer()
 
+        memory.for_generation()
         result, sampling_metrics = generate_step(cfg, parts, sampling, state, step, engines)
         timer.add("generate", result.generate_s)
         timer.add("reward", result.reward_s)
         record_rewards(parts.train_data, result.rollouts)
         batch, metrics = prepare_batch(cfg, result.rollouts, pad_id)
+        memory.for_training()
         with timer("logprob"):
             add_logprobs(cfg, parts.policy, batch)
         metrics |= add_advantages(cfg, result.rollouts, batch)
         with timer("train"):
             metrics |= ray.get(parts.policy.train.remote(batch))
+        memory.for_refit()
         with timer("refit"):
             state.weight_version += 1
             engines.retry("the weight push", lambda: push_weights(parts.policy, parts.generator, state.weight_version))
         refit = cfg.grpo.refit_check
         if refit.enabled and state.weight_version % refit.period == 0:
             with timer("refit_check"):
-                probe = result.rollouts[: refit.num_probe_sequences]
-                metrics |= checked_refit(cfg, parts, engines, probe)
+                metrics |= checked_refit(cfg, parts, engines, result.rollouts)
 
         state.step = step
         state.epoch = getattr(parts.train_data, "epoch", 0)

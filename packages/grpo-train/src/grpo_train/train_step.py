@@ -139,18 +139,33 @@ def push_weights(policy, generator, version: int) -> float:
 def refit_limits(cfg: GRPOMasterConfig) -> weight_sync.RefitLimits:
     """grpo.refit_check's thresholds, a null one taking the default of the trainer/engine pair's
     coarser precision (the HF generator runs in policy.precision)."""
-    engine = cfg.policy.generation.vllm_cfg.precision if cfg.policy.generation.backend == "vllm" else cfg.policy.precision
-    default = weight_sync.DEFAULT_LIMITS[weight_sync.gate_precision(cfg.policy.precision, engine)]
+    default = weight_sync.DEFAULT_LIMITS[gate_precision_of(cfg)]
     check = cfg.grpo.refit_check
     return weight_sync.RefitLimits(
         max_abs_diff=check.max_abs_logprob_diff if check.max_abs_logprob_diff is not None else default.max_abs_diff,
         mean_abs_diff=(check.max_mean_abs_logprob_diff if check.max_mean_abs_logprob_diff is not None
-                       else default.mean_abs_diff))
+                       else default.mean_abs_diff),
+        seq_logratio_rms=(check.max_seq_logratio_rms if check.max_seq_logratio_rms is not None
+                          else default.seq_logratio_rms))
 
 
-def check_refit(cfg: GRPOMasterConfig, policy, generator, probe: list[Rollout]) -> dict[str, float]:
-    """Score the probe rollouts in trainer and generator; raise above the configured thresholds
-    (`refit_limits`). Returns the refit/* metrics."""
+def probe_size(cfg: GRPOMasterConfig) -> int:
+    """grpo.refit_check.num_probe_sequences, or the default of the pair's coarser precision
+    (weight_sync.DEFAULT_PROBE_SEQUENCES)."""
+    n = cfg.grpo.refit_check.num_probe_sequences
+    return n if n is not None else weight_sync.DEFAULT_PROBE_SEQUENCES[gate_precision_of(cfg)]
+
+
+def gate_precision_of(cfg: GRPOMasterConfig) -> str:
+    """The coarser of the trainer's and the engine's precision (the HF generator runs in policy.precision)."""
+    engine = cfg.policy.generation.vllm_cfg.precision if cfg.policy.generation.backend == "vllm" else cfg.policy.precision
+    return weight_sync.gate_precision(cfg.policy.precision, engine)
+
+
+def check_refit(cfg: GRPOMasterConfig, policy, generator, rollouts: list[Rollout]) -> dict[str, float]:
+    """Score the first `probe_size` rollouts in trainer and generator; raise above the configured
+    thresholds (`refit_limits`). Returns the refit/* metrics."""
+    probe = rollouts[: probe_size(cfg)]
     sequences = [r.prompt_ids + r.response_ids for r in probe if r.response_ids]
     prompt_lens = [len(r.prompt_ids) for r in probe if r.response_ids]
     if not sequences:

@@ -70,8 +70,10 @@ class AsyncGRPOConfig(Section):
 class RefitCheckConfig(Section):
     enabled: bool = True
     """After each weight push, score a probe batch in trainer and generator and compare."""
-    num_probe_sequences: int = Field(4, ge=1)
-    """Sequences in the probe batch (taken from the first rollout)."""
+    num_probe_sequences: int | None = Field(None, ge=1)
+    """Sequences in the probe batch (the step's first rollouts). null: the default of the pair's coarser
+    precision (weight_sync.DEFAULT_PROBE_SEQUENCES): 4 in float32, 64 in bfloat16/float16, whose
+    statistics need more tokens (4 sequences would stop a healthy bf16 demo run in up to 25% of checks)."""
     max_abs_logprob_diff: float | None = Field(None, gt=0)
     """Stop the run when one probe token's |trainer - generator| logprob difference exceeds this.
     null: the default of the pair's coarser precision (policy.precision vs vllm_cfg.precision;
@@ -83,6 +85,12 @@ class RefitCheckConfig(Section):
     this. null: the precision's default (weight_sync.DEFAULT_LIMITS): 1e-4 in float32 (healthy
     ~1e-6 on the demo model), 0.05 in bfloat16/float16 (healthy 6.5e-3..1.6e-2 on the demo model,
     measured; NeMo RL's healthy token_mult_prob_error ~1.05 is a mean of ~0.05)."""
+    max_seq_logratio_rms: float | None = Field(None, gt=0)
+    """Stop the run when sqrt(sum over probe sequences of (sum of the sequence's trainer - generator
+    logprobs)^2 / probe tokens) exceeds this (weight_sync.RefitStats.seq_logratio_rms): a broken refit
+    shifts a sequence's tokens alike, rounding noise cancels. null: the precision's default: not
+    gated in float32 (the max catches it), 0.05 in bfloat16/float16 (demo model, 3 seeds: healthy
+    <= 0.038, one tensor skipped for 10 steps >= 0.069; benchmarks/results/refit_gate_bf16.md)."""
     period: int = Field(1, ge=1)
     """Check every this many refits."""
 

@@ -13,8 +13,9 @@ concatenated, metrics reduced as the loss defines them); weights come from rank 
 Training splits each optimizer step's rows across ranks and passes every rank the step's
 global valid token and sequence counts, so the summed gradient is the single-worker gradient.
 
-Colocated generation on GPUs (`colocated_generation`): the attached engines sleep before the trainer
-runs and wake for the weight push; vLLM's sleep mode exists only on GPUs.
+Colocated generation on GPUs (`colocated_generation`): each rank takes half its GPU; who holds the
+GPU when (engines asleep, trainer state offloaded) is `grpo_train.colocation`'s order, which calls
+this group's `offload` / `reload`.
 Boundary: no knowledge of rollouts or of the loop; weight pushes go through a transport
 (`grpo_train.weight_transport`).
 """
@@ -93,8 +94,6 @@ class PolicyGroup(RankGroup):
             for rank in range(self.world_size)
         ]
         self._sharded = False  # FSDP2: the ranks say so when they join (start)
-        self.colocated_generators: list = []
-        self._generators_awake = True
         self.transport, self.generators = None, []
         self._started = False
         if start:
@@ -104,12 +103,9 @@ class PolicyGroup(RankGroup):
         self._sharded = any(answers)  # each rank says whether it sharded with FSDP2
 
     def attach(self, transport, generators: list) -> None:
-        """Connect the weight transport to the generation engines (`push_weights` uses it);
-        engines colocated on GPUs also sleep while this group computes."""
+        """Connect the weight transport to the generation engines (`push_weights` uses it)."""
         self.start()
         self.transport, self.generators = transport, list(generators)
-        if self.colocated_generation:
-            self.colocated_generators = list(generators)
         transport.connect(self, self.generators)
 
     def push_weights(self, version: int, **options) -> None:
@@ -122,7 +118,6 @@ class PolicyGroup(RankGroup):
     # -------------------------------------------------------------------------- scoring
     @remote_method
     def logprobs(self, batch: dict[str, torch.Tensor], reference: bool = False):
-        self._sleep_generators()
         rows = split_rows(batch_size(batch), self.world_size)
         parts = [w.logprobs.remote(take_rows(batch, r), reference=reference) for w, r in zip(self.workers, rows)]
         return ray.put(torch.cat(ray.get(parts)))  # [B, S]
@@ -146,7 +141,6 @@ class PolicyGroup(RankGroup):
     def train(self, batch: dict[str, torch.Tensor]):
         """Each optimizer step's rows (train_global_batch_size of them) are split across the
         ranks; each rank gets its share of every step, in step order."""
-        self._sleep_generators()
         shards, tokens, seqs = shard_steps(batch, self.cfg.train_global_batch_size, self.world_size)
         calls = [w.train.remote(shard, tokens, seqs) for w, shard in zip(self.workers, shards)]
         return ray.put(combine_metrics(ray.get(calls)))
@@ -159,7 +153,6 @@ class PolicyGroup(RankGroup):
     @remote_method
     def weights(self):
         """Rank 0's full weights by reference (under FSDP2 every rank gathers with it)."""
-        self._wake_generators()
         return [w.weights.remote() for w in self._gathering_workers()][0]
 
     @remote_method
@@ -192,29 +185,29 @@ class PolicyGroup(RankGroup):
 
     @remote_method
     def send_weights(self, bucket_bytes: int):
-        self._wake_generators()
         return [w.send_weights.remote(bucket_bytes) for w in self._gathering_workers()][0]
 
     @remote_method
     def ipc_handles(self):
-        self._wake_generators()
         merged: dict[str, list] = {}
         for handles in ray.get([w.ipc_handles.remote() for w in self.workers]):
             merged.update(handles)
         return ray.put(merged)
 
+    # ------------------------------------------ colocated memory choreography (colocation.py)
+    @remote_method
+    def offload(self, parts: tuple[str, ...]):
+        """Every rank moves `parts` of its state to the host and empties its allocator's cache."""
+        ray.get([w.offload.remote(parts) for w in self.workers])
+        return ray.put(None)
+
+    @remote_method
+    def reload(self):
+        """Every rank moves what it offloaded back to its device."""
+        ray.get([w.reload.remote() for w in self.workers])
+        return ray.put(None)
+
     def _gathering_workers(self) -> list:
         """The ranks a full-weight call needs: all of them under FSDP2 (each gather is a
         collective), else rank 0 alone. The first one's answer is the group's."""
         return self.workers if self._sharded else [self.rank0]
-
-    def _sleep_generators(self) -> None:
-        if self.colocated_generators and self._generators_awake:
-            ray.get([g.sleep.remote() for g in self.colocated_generators])
-            self._generators_awake = False
-
-    def _wake_generators(self) -> None:
-        if self.colocated_generators and not self._generators_awake:
-            ray.get([g.wake_up.remote() for g in self.colocated_generators])
-            self._generators_awake = True
-

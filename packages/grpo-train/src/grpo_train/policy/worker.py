@@ -91,6 +91,8 @@ class PolicyWorker:
         self._sharded = False  # FSDP2: set by init_distributed
         self._roots: dict[int, torch.nn.Module] = {}  # id(model) -> its FSDP2 root (fsdp.ForwardRoot)
         self._weight_group = None  # the collective weight transport's group (rank 0 only)
+        self._home = torch.device("cpu")  # where this rank computes (its GPU once init_distributed moved it)
+        self._offloaded: tuple[str, ...] = ()  # parts on the host for a colocated engine (offload)
 
     # ----------------------------------------------------------------------------- scoring
     def _run(self, model: torch.nn.Module, fn, *args, **kwargs):
@@ -345,6 +347,28 @@ class PolicyWorker:
     def ping(self) -> int:
         return os.getpid()
 
+    # ------------------------------------------- colocated memory choreography (colocation.py)
+    def offload(self, parts: tuple[str, ...]) -> None:
+        """Move `parts` (policy.offload.PARTS) of this rank's state to the host and hand the freed
+        blocks back to the driver (`torch.cuda.empty_cache`), so a colocated engine can wake into
+        them. A rank that computes on the host (every CPU run) has nothing to move."""
+        from grpo_train.policy.offload import move_parts
+
+        todo = tuple(p for p in parts if p not in self._offloaded)
+        if self._home.type != "cpu":
+            move_parts(todo, "cpu", self.model, self.master.parameters(), self.optimizer, self.reference)
+            torch.cuda.empty_cache()
+        self._offloaded += todo
+
+    def reload(self) -> None:
+        """What `offload` moved, back on this rank's device."""
+        from grpo_train.policy.offload import move_parts
+
+        if self._home.type != "cpu":
+            move_parts(self._offloaded, self._home, self.model, self.master.parameters(), self.optimizer, self.reference,
+                       offloading=False)
+        self._offloaded = ()
+
     # ------------------------------------------------- data parallelism and weight transports
     # Called by grpo_train.policy.group (one Ray actor per rank) and grpo_train.weight_transport.
     def free_address(self) -> tuple[str, int]:
@@ -368,6 +392,8 @@ class PolicyWorker:
         if self.cfg.dtensor_cfg.activation_checkpointing:
             self.model.gradient_checkpointing_enable()
         on_gpu = torch.cuda.is_available()
+        if on_gpu:
+            self._home = torch.device("cuda", torch.cuda.current_device())
         if self.world_size == 1 and not on_gpu:
             return False
         backend = "nccl" if on_gpu else "gloo"

@@ -5,14 +5,16 @@ overlong filtering) -> prev/ref logprobs -> values -> GAE advantages and returns
 passes of value training and (from `ppo.policy_training_start_step`) policy training -> push
 weights into the generator (+ refit check) -> log -> validate -> checkpoint (policy, value
 model, dataloader, RNG). Rollout, logprobs, weight push, validation and checkpoints are the
-GRPO loop's own components; steps before the policy starts training push no weights. A dead
-generation engine is restarted and the phase retried as in the GRPO loop (engine_faults).
+GRPO loop's own components; steps before the policy starts training push no weights. The
+`memory.for_*` phases are the sync loop's (colocation.py). The value ranks hold GPUs of their own.
+A dead generation engine is restarted and the phase retried as in the GRPO loop (engine_faults).
 """
 
 from __future__ import annotations
 
 import ray
 
+from grpo_train.colocation import MemoryChoreography
 from grpo_train.config.schema import GRPOMasterConfig
 from grpo_train.deadline import SaveDeadline
 from grpo_train.engine_faults import checked_refit, supervise
@@ -44,7 +46,9 @@ def train_ppo(cfg: GRPOMasterConfig, parts: PPOComponents, logger, checkpoints, 
     last = total_steps(cfg, parts.train_data)
     pad_id = parts.tokenizer.pad_token_id if parts.tokenizer.pad_token_id is not None else parts.tokenizer.eos_token_id
     engines = supervise(cfg, parts, state)
+    memory = MemoryChoreography.of(parts)
     if state.step == 0 and cfg.grpo.val_at_start:
+        memory.for_generation()
         run_validation(cfg, parts, logger, 0, engines)
     deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by)
     startup_s = process_age_s()  # process start -> first step (after the step-0 validation)
@@ -52,11 +56,13 @@ def train_ppo(cfg: GRPOMasterConfig, parts: PPOComponents, logger, checkpoints, 
         step = state.step + 1
         timer = PhaseTimer()
 
+        memory.for_generation()
         result, sampling_metrics = generate_step(cfg, parts, sampling, state, step, engines)
         timer.add("generate", result.generate_s)
         timer.add("reward", result.reward_s)
         record_rewards(parts.train_data, result.rollouts)
         batch, metrics = prepare_ppo_batch(cfg, result.rollouts, pad_id)
+        memory.for_training()
         with timer("logprob"):
             add_logprobs(cfg, parts.policy, batch)
         metrics |= mask_by_logprob_error(cfg, batch)
@@ -66,14 +72,14 @@ def train_ppo(cfg: GRPOMasterConfig, parts: PPOComponents, logger, checkpoints, 
         with timer("train"):
             metrics |= train_epochs(cfg, parts, batch, train_policy)
         if train_policy:
+            memory.for_refit()
             with timer("refit"):
                 state.weight_version += 1
                 engines.retry("the weight push", lambda: push_weights(parts.policy, parts.generator, state.weight_version))
             refit = cfg.grpo.refit_check
             if refit.enabled and state.weight_version % refit.period == 0:
                 with timer("refit_check"):
-                    probe = result.rollouts[: refit.num_probe_sequences]
-                    metrics |= checked_refit(cfg, parts, engines, probe)
+                    metrics |= checked_refit(cfg, parts, engines, result.rollouts)
 
         state.step = step
         state.epoch = getattr(parts.train_data, "epoch", 0)
