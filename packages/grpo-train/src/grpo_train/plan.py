@@ -170,7 +170,7 @@ class GpuLoad:
     @property
     def peak_phase(self) -> str:
         totals = self.phase_totals()
-        return max(totals, key=totals.get)
+        return max(totals, key=lambda name: totals[name])
 
     @property
     def total(self) -> float:

@@ -125,7 +125,6 @@ class PolicyGroup(RankGroup):
     @remote_method
     def logprobs_and_reference(self, batch: dict[str, torch.Tensor]):
         """[2, B, S] current-weight and reference logprobs of `batch`, one call per rank."""
-        self._sleep_generators()
         rows = split_rows(batch_size(batch), self.world_size)
         parts = [w.logprobs_and_reference.remote(take_rows(batch, r)) for w, r in zip(self.workers, rows)]
         return ray.put(torch.cat(ray.get(parts), dim=1))  # [2, B, S]
