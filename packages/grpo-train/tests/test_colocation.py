@@ -19,7 +19,7 @@ import pytest
 import ray
 import torch
 
-from grpo_train import async_loop, sync_loop
+from grpo_train import async_loop, engine_faults, sync_loop
 from grpo_train.colocation import FULL_OFFLOAD, REFIT_OFFLOAD, MemoryChoreography, colocated_on_gpus
 from grpo_train.config.schema import GRPOMasterConfig
 from grpo_train.policy.offload import move_parts, state_tensors
@@ -49,16 +49,20 @@ class Recorder:
             if event is not None:
                 detail = ",".join(args[0]) if event == "offload" else "ref" if kwargs.get("reference") else ""
                 trace.append((event, detail))
+            if event == "logprobs_and_reference":
+                return torch.zeros(2, 2, 3)  # [2, B, S]: prev and ref in one call
             return {} if event in ("train", "value_train") else torch.zeros(2, 3) if event == "logprobs" else None
         return fn
 
 
 def fake_run(trace: list, value: bool = False):
-    policy = Recorder(trace, offload="offload", reload="reload", logprobs="logprobs", train="train")
+    policy = Recorder(trace, offload="offload", reload="reload", logprobs="logprobs", train="train",
+                      logprobs_and_reference="logprobs_and_reference")
     policy.start = lambda: trace.append(("trainer_start", ""))
     engine = Recorder(trace, ready="engine_ready", sleep="sleep", wake_up="wake", reseed=None)
     memory = MemoryChoreography(policy, [engine], active=True)
-    parts = SimpleNamespace(policy=policy, generator=engine, memory=memory, train_data=iter(()),
+    data = SimpleNamespace(state_dict=dict, load_state_dict=lambda state: None)  # the loop rewinds on a retry
+    parts = SimpleNamespace(policy=policy, generator=engine, memory=memory, train_data=data,
                             tokenizer=SimpleNamespace(pad_token_id=0), val_datums=[1],
                             value=Recorder(trace, train="value_train") if value else None, extra_workers={})
     return parts, memory
@@ -70,10 +74,11 @@ def recorded(monkeypatch):
     trace: list = []
     rollout = SimpleNamespace(rollouts=[], generate_s=0.0, reward_s=0.0, env_metrics={})
     batch = lambda *a, **k: ({"input_ids": torch.zeros(2, 3)}, {})  # noqa: E731
+    # PPO generates through the sync loop's generate_step, and both check through engine_faults.
+    monkeypatch.setattr(sync_loop, "collect_rollouts", lambda *a, **k: (trace.append(("generate", "")), rollout)[1:] + ({},))
+    monkeypatch.setattr(engine_faults, "check_refit", lambda *a, **k: trace.append(("refit_check", "")) or {})
     for module in (sync_loop, ppo_loop):
-        monkeypatch.setattr(module, "collect_rollouts", lambda *a, **k: (trace.append(("generate", "")), rollout)[1:] + ({},))
         monkeypatch.setattr(module, "push_weights", lambda *a, **k: trace.append(("push", "")))
-        monkeypatch.setattr(module, "check_refit", lambda *a, **k: trace.append(("refit_check", "")) or {})
     for module in (sync_loop, ppo_loop, async_loop):
         monkeypatch.setattr(module, "run_validation", lambda *a, **k: trace.append(("validate", "")) or {})
     monkeypatch.setattr(sync_loop, "prepare_batch", batch)
@@ -115,7 +120,7 @@ def test_sync_grpo_order(recorded):
     parts, memory = fake_run(recorded)
     memory.start_engines_first()
     sync_loop.train_sync(config(), parts, LOGGER, object(), TrainerState())
-    step = [("generate", ""), *TO_TRAINING, ("logprobs", ""), ("logprobs", "ref"), ("train", ""),
+    step = [("generate", ""), *TO_TRAINING, ("logprobs_and_reference", ""), ("train", ""),
             *TO_REFIT, ("push", ""), ("refit_check", ""), *END_OF_STEP]
     assert recorded == [*START, *TO_GENERATION_FROM_START, ("validate", ""),
                         *step,  # step 1 (generation phase already entered for the validation)
@@ -144,12 +149,12 @@ def test_async_grpo_calls_the_same_phases_at_the_trainer_points(recorded, monkey
     memory.start_engines_first()
     collector = Recorder(recorded, start=None, stats=None, hold=None, release=None, shutdown=None)
     collector.stats = _Call(lambda: {"idle_s": 0.0, "generate_s": 0.0})
+    collector.hold = _Call(lambda *a: 0.0)  # seconds waited (None would mean the engine died under it)
     buffer = Recorder(recorded, size=None)
     group = SimpleNamespace(rollouts=[], epoch=0, env_metrics={})
     monkeypatch.setattr(async_loop, "make_collector", lambda *a, **k: (buffer, collector))
     monkeypatch.setattr(async_loop, "take_groups", lambda *a, **k: (recorded.append(("take_groups", "")), [group])[1])
     monkeypatch.setattr(async_loop, "push_weights", lambda *a, **k: recorded.append(("push", "")))
-    monkeypatch.setattr(async_loop, "check_refit", lambda *a, **k: recorded.append(("refit_check", "")) or {})
     monkeypatch.setattr(async_loop, "prepare_batch", lambda *a, **k: ({"input_ids": torch.zeros(2, 3)}, {}))
     monkeypatch.setattr(async_loop, "add_advantages", lambda *a, **k: {})
     monkeypatch.setattr(async_loop, "pipeline_metrics", lambda *a, **k: {})
@@ -157,7 +162,7 @@ def test_async_grpo_calls_the_same_phases_at_the_trainer_points(recorded, monkey
     monkeypatch.setattr(async_loop, "stop_collector", lambda *a, **k: None)
     async_loop.train_async(config(), parts, LOGGER, object(), TrainerState())
     def step(to_training):
-        return [("take_groups", ""), *to_training, ("logprobs", ""), ("logprobs", "ref"), ("train", ""),
+        return [("take_groups", ""), *to_training, ("logprobs_and_reference", ""), ("train", ""),
                 *TO_REFIT, ("push", ""), ("refit_check", ""), *END_OF_STEP]
 
     # step 2 starts in the checkpoint's training phase: no rollout phase in this loop to leave it
