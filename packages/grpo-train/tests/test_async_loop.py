@@ -205,7 +205,7 @@ def test_async_config_refuses_the_ipc_transport_naming_the_key(cfg):
 
 def test_pipeline_metrics():
     from grpo_train.async_loop import pipeline_metrics
-    from grpo_train.train_step import PhaseTimer
+    from grpo_train.step import PhaseTimer
 
     groups = [GroupEntry(5, 4, 0, None), GroupEntry(5, 3, 1, None)]
     timer = PhaseTimer()

@@ -20,6 +20,7 @@ import ray
 import torch
 
 from grpo_train import async_loop, engine_faults, sync_loop
+from grpo_train import step as shared_step
 from grpo_train.colocation import FULL_OFFLOAD, REFIT_OFFLOAD, MemoryChoreography, colocated_on_gpus
 from grpo_train.config.schema import GRPOMasterConfig
 from grpo_train.policy.offload import move_parts, state_tensors
@@ -74,16 +75,15 @@ def recorded(monkeypatch):
     trace: list = []
     rollout = SimpleNamespace(rollouts=[], generate_s=0.0, reward_s=0.0, env_metrics={})
     batch = lambda *a, **k: ({"input_ids": torch.zeros(2, 3)}, {})  # noqa: E731
-    # PPO generates through the sync loop's generate_step, and both check through engine_faults.
-    monkeypatch.setattr(sync_loop, "collect_rollouts", lambda *a, **k: (trace.append(("generate", "")), rollout)[1:] + ({},))
+    # The loops' shared phases are step.py's (generation, weight push, validation, checkpoint), and
+    # all check through engine_faults.
+    monkeypatch.setattr(shared_step, "collect_rollouts", lambda *a, **k: (trace.append(("generate", "")), rollout)[1:] + ({},))
     monkeypatch.setattr(engine_faults, "check_refit", lambda *a, **k: trace.append(("refit_check", "")) or {})
-    for module in (sync_loop, ppo_loop):
-        monkeypatch.setattr(module, "push_weights", lambda *a, **k: trace.append(("push", "")))
-    for module in (sync_loop, ppo_loop, async_loop):
-        monkeypatch.setattr(module, "run_validation", lambda *a, **k: trace.append(("validate", "")) or {})
+    monkeypatch.setattr(shared_step, "push_weights", lambda *a, **k: trace.append(("push", "")))
+    monkeypatch.setattr(shared_step, "run_validation", lambda *a, **k: trace.append(("validate", "")) or {})
     monkeypatch.setattr(sync_loop, "prepare_batch", batch)
     monkeypatch.setattr(sync_loop, "add_advantages", lambda *a, **k: {})
-    monkeypatch.setattr(sync_loop, "save_checkpoint", lambda *a, **k: trace.append(("save", "")))
+    monkeypatch.setattr(shared_step, "save_checkpoint", lambda *a, **k: trace.append(("save", "")))
     monkeypatch.setattr(ppo_loop, "prepare_ppo_batch", batch)
     monkeypatch.setattr(ppo_loop, "mask_by_logprob_error", lambda *a, **k: {})
     monkeypatch.setattr(ppo_loop, "add_values_and_advantages", lambda *a, **k: trace.append(("values", "")) or {})

@@ -156,7 +156,7 @@ def test_process_age_counts_from_the_process_start():
     import sys
     import time
 
-    code = "import time; time.sleep(1.0); from grpo_train.train_step import process_age_s; print(process_age_s())"
+    code = "import time; time.sleep(1.0); from grpo_train.step import process_age_s; print(process_age_s())"
     start = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     elapsed = time.perf_counter() - start

@@ -4,7 +4,7 @@ A trajectory collector (`collector.py`) generates prompt groups ahead of trainin
 buffer (`replay_buffer.py`); this loop trains on them. One step: take the groups targeted at
 this step (waiting if generation is behind) -> advantages -> prev/ref logprobs -> train -> push
 weights over the run's transport (object_store or collective) and tell the collector (+ refit
-check) -> log -> validate -> checkpoint. Every phase is the sync loop's component; what differs
+check) -> log -> validate -> checkpoint. Every shared phase is `step.py`'s; what differs
 is where the groups come from and how old their weights are (and that the async engine never shares
 the trainer's GPUs, so the `memory.for_*` phases of colocation.py, called at the sync loop's points,
 issue nothing): step s trains at weight version
@@ -19,6 +19,7 @@ generation idle time, trainer starvation time (waiting for groups) and exposed g
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import ray
@@ -26,12 +27,21 @@ import ray
 from grpo_train.collector import SharedParts, make_collector_actor
 from grpo_train.colocation import MemoryChoreography
 from grpo_train.config.schema import GRPOMasterConfig
-from grpo_train.deadline import SaveDeadline
-from grpo_train.engine_faults import EngineSupervisor, checked_refit, supervise
+from grpo_train.engine_faults import EngineSupervisor, supervise
 from grpo_train.replay_buffer import GroupEntry, make_replay_buffer_actor
 from grpo_train.run_state import TrainerState, save_checkpoint
-from grpo_train.sync_loop import run_validation, total_steps
-from grpo_train.train_step import PhaseTimer, add_advantages, add_logprobs, prepare_batch, process_age_s
+from grpo_train.step import (
+    PhaseTimer,
+    RunClock,
+    batch_with_logprobs,
+    due_at_end,
+    pad_id,
+    push_and_check,
+    total_steps,
+    validate_and_save,
+    validate_at_start,
+)
+from grpo_train.train_step import add_advantages, prepare_batch
 
 POLL_S = 0.02  # how often the trainer looks into the buffer while it waits for groups
 BUFFER_FILE, COLLECTOR_FILE = "replay_buffer", "collector"  # checkpoint state files (state_io), beside "dataloader"
@@ -39,20 +49,17 @@ BUFFER_FILE, COLLECTOR_FILE = "replay_buffer", "collector"  # checkpoint state f
 
 def train_async(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: TrainerState) -> TrainerState:
     last = total_steps(cfg, parts.train_data)
-    pad_id = parts.tokenizer.pad_token_id if parts.tokenizer.pad_token_id is not None else parts.tokenizer.eos_token_id
+    pad = pad_id(parts.tokenizer)
     in_flight = cfg.grpo.async_grpo.in_flight_weight_updates
     buffer, collector = make_collector(cfg, parts, checkpoints, state, last)  # starts up meanwhile
     engines = supervise(cfg, parts, state)  # a restarted engine is handed to the collector too
     engines.listeners.append(lambda generator: ray.get(collector.replace_engine.remote(generator, state.weight_version)))
     memory = MemoryChoreography.of(parts)
     try:
-        if state.step == 0 and cfg.grpo.val_at_start:
-            memory.for_generation()
-            run_validation(cfg, parts, logger, 0, engines)
+        validate_at_start(cfg, parts, logger, state, engines, memory)
         ray.get(collector.start.remote())
         before = ray.get(collector.stats.remote())
-        deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by)
-        startup_s = process_age_s()  # process start -> first step (after the step-0 validation)
+        clock = RunClock(cfg)
         while state.step < last:
             step = state.step + 1
             timer = PhaseTimer()
@@ -61,23 +68,17 @@ def train_async(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Traine
                 groups = take_groups(cfg, buffer, collector, step, state.weight_version, engines)
             rollouts = [r for g in groups for r in g.rollouts]
             state.consumed_prompts += len(groups)
-            batch, metrics = prepare_batch(cfg, rollouts, pad_id)
-            memory.for_training()
-            with timer("logprob"):
-                add_logprobs(cfg, parts.policy, batch)
+            batch, metrics = batch_with_logprobs(cfg, parts, memory, timer, rollouts, pad, prepare_batch)
             metrics |= add_advantages(cfg, rollouts, batch)
             with timer("train"):
                 metrics |= ray.get(parts.policy.train.remote(batch))
-            memory.for_refit()
-            with timer("refit"):
-                state.weight_version += 1
-                held = not in_flight  # the push waits for older batches, then holds the next one
-                push_wait = hold(collector, engines, state.weight_version) if held else 0.0
-                engines.retry("the weight push", lambda: push_weights(cfg, parts, collector, state.weight_version))
-            refit = cfg.grpo.refit_check
-            if refit.enabled and state.weight_version % refit.period == 0:
-                with timer("refit_check"):
-                    metrics |= checked_refit(cfg, parts, engines, rollouts)
+            held = not in_flight  # the push waits for older batches, then holds the next one
+            waited: list[float] = []
+            metrics |= push_and_check(
+                cfg, parts, engines, memory, timer, state, rollouts,
+                push=lambda version: push_weights(cfg, parts, collector, version),
+                before_push=hold_for_push(collector, engines, waited) if held else None)
+            push_wait = waited[0] if waited else 0.0
 
             state.step = step
             state.epoch = groups[-1].epoch
@@ -86,27 +87,19 @@ def train_async(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Traine
             metrics |= pipeline_metrics(groups, ray.get(buffer.size.remote()), stats, before, timer, push_wait)
             before = stats
             metrics |= timer.metrics() | engines.metrics()
-            if startup_s is not None:  # the first step this process runs (a resumed run's too)
-                metrics["timing/startup_s"], startup_s = startup_s, None
-            logger.log(metrics, step)
+            logger.log(metrics | clock.startup_metrics(), step)
 
-            due_val = (cfg.grpo.val_period and step % cfg.grpo.val_period == 0) or (step == last and cfg.grpo.val_at_end)
-            stop = deadline.step_done() and step < last
-            due_ckpt = checkpoints is not None and (step % cfg.checkpointing.save_period == 0 or step == last or stop)
+            stop = clock.must_stop(step, last)
+            due_val, due_ckpt = due_at_end(cfg, checkpoints, step, last, stop)
             if (due_val or due_ckpt) and not held:
                 hold(collector, engines)
                 held = True
-            if due_val:
-                memory.for_generation()
-            val_metrics = run_validation(cfg, parts, logger, step, engines) if due_val else {}
-            if due_ckpt:
-                memory.for_training()
-                ckpt_metrics = {f"val_{k}": v for k, v in val_metrics.items()} if val_metrics else None
-                save_async_checkpoint(checkpoints, parts, buffer, collector, state, ckpt_metrics)
+            validate_and_save(cfg, parts, logger, step, due_val, due_ckpt, engines, memory,
+                              lambda metrics: save_async_checkpoint(checkpoints, parts, buffer, collector, state, metrics))
             if held:
                 ray.get(collector.release.remote())
             if stop:
-                deadline.announce(step)
+                clock.deadline.announce(step)
                 break
     finally:
         stop_collector(buffer, collector)
@@ -178,6 +171,12 @@ def recover_collector(collector, engines: EngineSupervisor) -> None:
     if not engines.restart_dead("generation", lost):
         for listener in engines.listeners:
             listener(engines.parts.generator)
+
+
+def hold_for_push(collector, engines: EngineSupervisor, waited: list[float]) -> Callable[[int], None]:
+    """A push's `before_push` when weight updates are not in flight: wait until the collector
+    finished the older batches, hold the next one, and append the seconds waited to `waited`."""
+    return lambda version: waited.append(hold(collector, engines, version))
 
 
 def hold(collector, engines: EngineSupervisor, until_version: int | None = None) -> float:

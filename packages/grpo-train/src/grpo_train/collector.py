@@ -44,7 +44,7 @@ from grpo_train.engine_faults import answers, is_engine_fault
 from grpo_train.replay_buffer import GroupEntry
 
 # Distinct seeds per step: the sync loop's seeds, so max_age 0 samples what the sync loop samples.
-from grpo_train.sync_loop import record_rewards, sampling_spec, step_seed
+from grpo_train.step import record_rewards, sampling_spec, step_seed
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,8 @@ def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None =
         init_ray,
         resolve_model_path,
     )
-    from grpo_train.sync_loop import total_steps, train_sync
+    from grpo_train.step import total_steps
+    from grpo_train.sync_loop import train_sync
 
     if cfg.algorithm == "ppo":  # the config's `ppo:` section picks PPO: same parts plus a value worker
         from grpo_train.ppo.ppo_loop import train_ppo as train_sync
@@ -166,7 +167,7 @@ def evaluate(cfg: GRPOMasterConfig, raw: dict, checkpoint: str | None = None) ->
 
     from grpo_train.setup import actor_env_vars, build_components, init_ray, resolve_model_path
     from grpo_train.state_io import verify_manifest
-    from grpo_train.sync_loop import sampling_spec
+    from grpo_train.step import sampling_spec
     from grpo_train.validation import validate
 
     try:

@@ -1,14 +1,11 @@
 """The GRPO step's components between rollout and optimizer: advantages, batch, logprobs, refit.
 
-Each function is one phase of the loop, shared by the sync and async loops.
+The batch components of the step (`step.py` strings them into phases), shared by the loops.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
-from pathlib import Path
 
 import ray
 import torch
@@ -173,43 +170,3 @@ def check_refit(cfg: GRPOMasterConfig, policy, generator, rollouts: list[Rollout
     trainer = ray.get(policy.score.remote(sequences, prompt_lens))
     generated = ray.get(generator.score.remote(sequences, prompt_lens))
     return weight_sync.gate_refit(trainer, generated, refit_limits(cfg)).metrics()
-
-
-_IMPORTED_AT = time.perf_counter()
-
-
-def process_age_s() -> float:
-    """Seconds since this process started, from the kernel's start time on Linux (so interpreter
-    start-up and imports count); elsewhere, since this module was imported."""
-    try:
-        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        started_ticks = int(fields[19])  # field 22 of proc(5), counted after the ")" of the name
-        uptime_s = float(Path("/proc/uptime").read_text().split()[0])
-        return uptime_s - started_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return time.perf_counter() - _IMPORTED_AT
-
-
-class PhaseTimer:
-    """Wall time per named phase of a step."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self._start = time.perf_counter()
-
-    def add(self, name: str, seconds: float) -> None:
-        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
-
-    @contextlib.contextmanager
-    def __call__(self, name: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add(name, time.perf_counter() - start)
-
-    def metrics(self) -> dict[str, float]:
-        out = {f"timing/{k}_s": v for k, v in self.seconds.items()}
-        out["timing/step_s"] = time.perf_counter() - self._start
-        return out
-

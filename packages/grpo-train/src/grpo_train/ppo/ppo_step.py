@@ -1,7 +1,7 @@
 """PPO's step components between rollout and optimizer: the batch, values, token-level advantages.
 
-The sibling of `grpo_train.train_step.prepare_batch`: reward scaling, shaping and overlong
-filtering are GRPO's own functions; only the advantages differ (token-level, from the value
+The batch is `grpo_train.train_step.prepare_batch`'s (reward scaling, shaping and overlong
+filtering); only the advantages differ (token-level, from the value
 model, instead of group-relative per sample). Also the value group and the run's components
 with it.
 """
@@ -14,13 +14,13 @@ from typing import Any
 import ray
 import torch
 
-from grpo_train.advantages import groups_with_signal, scale_rewards, shape_rewards
-from grpo_train.batch import Rollout, build_train_batch
+from grpo_train.batch import Rollout
 from grpo_train.config.schema import GRPOMasterConfig
 from grpo_train.group_estimators import kl_in_reward
 from grpo_train.ppo.estimators import EstimatorInput, compute_ppo_advantages
 from grpo_train.ppo.gae import last_token_rewards
 from grpo_train.setup import Components
+from grpo_train.train_step import prepare_batch
 
 EXPLAINED_VARIANCE_EPS = 1e-8
 
@@ -68,29 +68,10 @@ def build_ppo_components(cfg: GRPOMasterConfig, model_path: str) -> PPOComponent
 
 
 def prepare_ppo_batch(cfg: GRPOMasterConfig, rollouts: list[Rollout], pad_id: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """Rewards -> (scaled, shaped) -> [B, S] tensors with `scores` [B]; advantages come later (they need values)."""
-    rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
-    lengths = torch.tensor([len(r.response_ids) for r in rollouts])
-    truncated = torch.tensor([r.truncated for r in rollouts])
-    shaped = shape_rewards(scale_rewards(rewards, cfg.grpo.reward_scaling), lengths, truncated, cfg.grpo.reward_shaping)
-    sample_mask = torch.tensor([r.loss_multiplier for r in rollouts], dtype=torch.float32)
-    if cfg.grpo.overlong_filtering:
-        sample_mask = sample_mask * (~truncated).float()
-    batch = build_train_batch(rollouts, torch.zeros(len(rollouts)), sample_mask, pad_id,
-                              cfg.policy.make_sequence_length_divisible_by)
-    batch["scores"] = shaped  # [B] sequence reward after scaling and shaping
-    signal = groups_with_signal(shaped, cfg.grpo.num_generations_per_prompt)
-    metrics = {
-        "reward_mean": float(rewards.mean()),
-        "reward_std": float(rewards.std()) if len(rollouts) > 1 else 0.0,
-        "accuracy": float((rewards > 0).float().mean()),
-        "shaped_reward_mean": float(shaped.mean()),
-        "response_length": float(lengths.float().mean()),
-        "truncated_fraction": float(truncated.float().mean()),
-        "groups_with_signal": signal.num_kept / max(signal.keep.numel(), 1),
-        "num_samples": float(len(rollouts)),
-        "masked_samples": float((sample_mask == 0).sum()),
-    }
+    """GRPO's `prepare_batch` (rewards scaled and shaped, overlong filtering, [B, S] tensors with
+    `scores` [B]) plus the count of masked samples; advantages come later (they need values)."""
+    batch, metrics = prepare_batch(cfg, rollouts, pad_id)
+    metrics["masked_samples"] = float((batch["sample_mask"] == 0).sum())
     return batch, metrics
 
 
