@@ -241,7 +241,12 @@ def _section_of(component_config: type, name: str) -> type[Section]:
 # The loss op's options are declared once, in grpo_kernels.PGLossConfig (with their meaning in its
 # docstring); this section takes its fields from there, and the op refuses bad values at config
 # time through `_loss_options` below. grpo-kernels stays free of pydantic; its config is torch-free.
-_PGLossSection = _section_of(PGLossConfig, "PGLossSection")
+if typing.TYPE_CHECKING:  # the static view of the same section: the op config's fields on a Section
+
+    # Both bases are frozen at run time; pyright reads Section's frozen from its model_config only.
+    class _PGLossSection(Section, PGLossConfig): ...  # pyright: ignore[reportGeneralTypeIssues]
+else:
+    _PGLossSection = _section_of(PGLossConfig, "PGLossSection")
 
 
 class LossConfig(_PGLossSection):
@@ -506,7 +511,12 @@ class PolicyConfig(Section):
 # ---------------------------------------------------------------------------------- data
 # grpo-data declares the keys of a dataset entry (grpo_data.config.DatasetEntry, torch-free);
 # this section takes its fields from there, and the values it refuses at their key path.
-_DatasetSection = _section_of(DatasetEntry, "DatasetSection")
+if typing.TYPE_CHECKING:  # the static view of the same section (see _PGLossSection)
+
+    # Both bases are frozen at run time; pyright reads Section's frozen from its model_config only.
+    class _DatasetSection(Section, DatasetEntry): ...  # pyright: ignore[reportGeneralTypeIssues]
+else:
+    _DatasetSection = _section_of(DatasetEntry, "DatasetSection")
 
 
 class DatasetConfig(_DatasetSection):
