@@ -14,6 +14,7 @@ Adding a schema key without a row fails `test_every_schema_key_is_in_the_table`.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import typing
 from dataclasses import dataclass
@@ -410,3 +411,83 @@ def test_ratio_clip_max_is_the_upper_clip(clip_max, loss):
     cfg = PGLossConfig(reference_policy_kl_penalty=0.0, ratio_clip_max=clip_max)
     value, _ = reference.clipped_pg_loss(curr, zeros, zeros, None, ones, ones, torch.ones(1, **f64), cfg, 1, 1, None)
     assert value.item() == pytest.approx(loss, abs=1e-12)
+
+
+# ----------------------------------------------------------------- one declaration per key
+# Keys whose name is also a field of a leaf package's config but that are another concept.
+SAME_NAME_OTHER_CONCEPT = {
+    ("ValueLossConfig", "token_level_loss"): "the value loss's own aggregation, not the policy loss's",
+    ("DataConfig", "max_input_seq_length"): "the section-wide default filled into every dataset entry",
+    ("GRPOConfig", "seed"): "the run's seed; a dataset entry's seed carves its validation rows",
+    ("TokenizerConfig", "chat_template_kwargs"): "the policy tokenizer's; an entry's applies to its own prompts",
+}
+
+
+def _sections(model: type[BaseModel] = GRPOMasterConfig, prefix: str = "") -> dict[str, type[BaseModel]]:
+    """Every section model of the schema by key path (`data.<entry>` for dataset entries)."""
+    found = {prefix.rstrip(".") or "<root>": model}
+    for name, field in model.model_fields.items():
+        for inner in _models(field.annotation):
+            label = "<entry>" if prefix == "data." and name in ("default", "train", "validation") else name
+            found.update(_sections(inner, f"{prefix}{label}."))
+    return found
+
+
+def _declaration_sites(section: type[BaseModel], name: str) -> list[str]:
+    """Where the key `name` of `section` is written down: a class body in the schema, or the leaf
+    package's dataclass that a section made by `schema._section_of` takes its fields from."""
+    sites = []
+    for cls in section.__mro__:
+        component = cls.__dict__.get("__declared_in__")
+        if component is not None:
+            if name in {f.name for f in dataclasses.fields(component)}:
+                sites.append(f"{component.__module__}.{component.__qualname__}")
+        elif name in cls.__dict__.get("__annotations__", {}):
+            sites.append(f"{cls.__module__}.{cls.__qualname__}")
+    return sites
+
+
+def test_every_schema_key_is_declared_once():
+    """`grpo config show` is the single truth: each key (section + name) has one declaration, in a
+    schema class or in the leaf package's own config it comes from, never in both (issue #17)."""
+    from grpo_train.config import schema
+
+    leaf_configs = [obj for obj in vars(schema).values() if dataclasses.is_dataclass(obj) and isinstance(obj, type)
+                    and obj.__module__.split(".")[0] in ("grpo_kernels", "grpo_data", "grpo_envs")]
+    assert {c.__name__ for c in leaf_configs} >= {"PGLossConfig", "DatasetEntry"}
+    leaf_names = {f.name for c in leaf_configs for f in dataclasses.fields(c)}
+    sections = _sections()
+    assert len(sections) > 30 and "loss_fn" in sections and "data.<entry>" in sections
+    problems = []
+    for path, section in sections.items():
+        for name in section.model_fields:
+            sites = _declaration_sites(section, name)
+            if len(sites) != 1:
+                problems.append(f"{path}.{name}: declared in {sites or 'no class body'}")
+            elif sites[0].startswith("grpo_train.") and name in leaf_names:
+                if (sites[0].rsplit(".", 1)[-1], name) not in SAME_NAME_OTHER_CONCEPT:
+                    problems.append(f"{path}.{name}: declared in {sites[0]} and in a leaf package's config")
+    # Each leaf config the schema imports is the source of a section, not a copy beside one.
+    sources = {s.__dict__.get("__declared_in__") for c in sections.values() for s in c.__mro__}
+    problems += [f"{c.__qualname__}: imported by the schema but no section takes its fields"
+                 for c in leaf_configs if c not in sources]
+    assert not problems, "\n".join(problems)
+
+
+def test_declared_once_check_catches_a_copied_key():
+    """The check above fails on the pattern it guards against: a schema class re-declaring a
+    field of the loss op's config (as LossConfig did before), and a subclass re-declaring a key."""
+    from pydantic import create_model
+
+    from grpo_train.config.schema import LossConfig, Section
+
+    copied = create_model("CopiedLoss", __base__=Section, ratio_clip_min=(float, 0.2))
+    copied.__module__ = "grpo_train.config.schema"
+    assert _declaration_sites(copied, "ratio_clip_min") == ["grpo_train.config.schema.CopiedLoss"]
+
+    class Twice(LossConfig):
+        ratio_clip_max: float = 0.3
+
+    assert len(_declaration_sites(Twice, "ratio_clip_max")) == 2
+    assert _declaration_sites(LossConfig, "ratio_clip_max") == ["grpo_kernels.loss_config.PGLossConfig"]
+    assert _declaration_sites(LossConfig, "use_kl_in_reward") == ["grpo_train.config.schema.LossConfig"]

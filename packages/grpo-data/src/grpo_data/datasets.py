@@ -32,6 +32,7 @@ from torch.utils.data import Dataset
 from grpo_data.arithmetic import DEFAULT_DIGITS, DEFAULT_OPERATIONS, ArithmeticDataset
 from grpo_data.bad_rows import DEFAULT_POLICY, BadRows, row_problem
 from grpo_data.builtin_datasets import BUILTIN_DATASETS, find_builtin, load_builtin
+from grpo_data.config import ARITHMETIC_KEYS, COMMON_KEYS, DATASET_KEYS, FILE_KEYS, DatasetEntry, DatasetKeyError
 from grpo_data.errors import DataError
 from grpo_data.processors import check_processor_options, get_processor
 from grpo_data.records import DatumSpec, TaskSpec
@@ -47,17 +48,8 @@ DEFAULT_ARITHMETIC_SEED = 0
 DEFAULT_ARITHMETIC_PROCESSOR = "plain"
 DEFAULT_PROCESSOR = "math"
 
-# Keys one dataset entry may have; anything else is a typo and is refused with its key path.
-COMMON_KEYS = frozenset(
-    {
-        "dataset_name", "task_name", "processor", "processor_kwargs", "prompt_file", "system_prompt_file",
-        "env_name", "max_input_seq_length", "chat_template_kwargs", "on_overlong", "split_validation_size", "seed",
-    }
-)  # fmt: skip
-ARITHMETIC_KEYS = frozenset({"size", "digits", "operations"})
-FILE_KEYS = frozenset(
-    {"data_path", "train_data_path", "val_data_path", "input_key", "output_key", "subset", "split", "val_split", "repeat"}
-)
+DEFAULT_INPUT_KEY, DEFAULT_OUTPUT_KEY, DEFAULT_REPEAT, DEFAULT_SPLIT_VALIDATION_SIZE = "input", "output", 1, 0
+# The keys of an entry are declared in grpo_data.config (DatasetEntry); these pass to the processor.
 PROCESSOR_OPTION_KEYS = ("chat_template_kwargs", "on_overlong")
 
 
@@ -199,10 +191,18 @@ def _check_keys(cfg: Mapping[str, Any], kind: str, where: str) -> None:
             raise DataError(f"{where}.{key}: unknown key for a {kind!r} dataset; allowed keys are {sorted(allowed)}")
 
 
-def _kind(cfg: Mapping[str, Any], where: str) -> str:
-    name = cfg.get("dataset_name")
+def _typed(cfg: Mapping[str, Any], where: str) -> DatasetEntry:
+    """The entry's known keys as a DatasetEntry (unknown ones are refused by `_check_keys`)."""
+    try:
+        return DatasetEntry(**{k: v for k, v in cfg.items() if k in DATASET_KEYS})
+    except DatasetKeyError as err:
+        raise DataError(f"{where}.{err}") from None  # "data.train.size=0: ..."
+
+
+def _kind(entry: DatasetEntry, where: str) -> str:
+    name = entry.dataset_name
     if name is None:
-        if cfg.get("data_path") or cfg.get("train_data_path"):
+        if entry.data_path or entry.train_data_path:
             return RESPONSE_DATASET
         raise DataError(f"{where}.dataset_name: missing; give {ARITHMETIC!r}, {RESPONSE_DATASET!r} (with data_path) or one of {sorted(BUILTIN_DATASETS)}")
     if name == ARITHMETIC or name == RESPONSE_DATASET:
@@ -215,50 +215,56 @@ def _kind(cfg: Mapping[str, Any], where: str) -> str:
     return "builtin"
 
 
-def _load_rows(cfg: Mapping[str, Any], kind: str, where: str, bad_rows: BadRows):
+def _or(value, default):
+    """`value`, or the kind's default when the key is not set (None)."""
+    return default if value is None else value
+
+
+def _load_rows(cfg: DatasetEntry, kind: str, where: str, bad_rows: BadRows):
     """(rows, carved validation rows or None, default task name) of one entry."""
     if kind == ARITHMETIC:
-        seed = cfg.get("seed", DEFAULT_ARITHMETIC_SEED)
+        seed = _or(cfg.seed, DEFAULT_ARITHMETIC_SEED)
         rows = ArithmeticDataset(
-            size=cfg.get("size", DEFAULT_ARITHMETIC_SIZE),
+            size=_or(cfg.size, DEFAULT_ARITHMETIC_SIZE),
             seed=seed,
-            digits=cfg.get("digits", DEFAULT_DIGITS),
-            operations=tuple(cfg.get("operations", DEFAULT_OPERATIONS)),
+            digits=_or(cfg.digits, DEFAULT_DIGITS),
+            operations=tuple(_or(cfg.operations, DEFAULT_OPERATIONS)),
         )
-        train, validation = carve_validation(rows, cfg.get("split_validation_size"), seed)
+        train, validation = carve_validation(rows, cfg.split_validation_size, seed)
         return train, validation, ARITHMETIC
-    seed = cfg.get("seed", DEFAULT_SEED)
-    if cfg.get("data_path") is not None and cfg.get("train_data_path") is not None:
+    seed = _or(cfg.seed, DEFAULT_SEED)
+    if cfg.data_path is not None and cfg.train_data_path is not None:
         raise DataError(f"{where}: give data_path or train_data_path, not both")
-    data_path = cfg.get("data_path", cfg.get("train_data_path"))
+    data_path = _or(cfg.data_path, cfg.train_data_path)
     if kind == RESPONSE_DATASET:
         if data_path is None:
             raise DataError(f"{where}.data_path: missing; a ResponseDataset needs a file, folder or hub dataset name")
         ds = ResponseDataset(
             data_path,
-            input_key=cfg.get("input_key", "input"),
-            output_key=cfg.get("output_key", "output"),
-            subset=cfg.get("subset"),
-            split=cfg.get("split"),
-            split_validation_size=cfg.get("split_validation_size", 0),
+            input_key=_or(cfg.input_key, DEFAULT_INPUT_KEY),
+            output_key=_or(cfg.output_key, DEFAULT_OUTPUT_KEY),
+            subset=cfg.subset,
+            split=cfg.split,
+            split_validation_size=_or(cfg.split_validation_size, DEFAULT_SPLIT_VALIDATION_SIZE),
             seed=seed,
-            val_data_path=cfg.get("val_data_path"),
-            val_split=cfg.get("val_split"),
-            repeat=cfg.get("repeat", 1),
+            val_data_path=cfg.val_data_path,
+            val_split=cfg.val_split,
+            repeat=_or(cfg.repeat, DEFAULT_REPEAT),
             bad_rows=bad_rows,
         )
     else:
+        assert cfg.dataset_name is not None  # a built-in kind has a name (_kind)
         ds = load_builtin(
-            cfg["dataset_name"],
+            cfg.dataset_name,
             data_path=data_path,
-            split=cfg.get("split"),
-            subset=cfg.get("subset"),
-            input_key=cfg.get("input_key"),
-            output_key=cfg.get("output_key"),
-            repeat=cfg.get("repeat"),
-            split_validation_size=cfg.get("split_validation_size"),
+            split=cfg.split,
+            subset=cfg.subset,
+            input_key=cfg.input_key,
+            output_key=cfg.output_key,
+            repeat=cfg.repeat,
+            split_validation_size=cfg.split_validation_size,
             seed=seed,
-            val_data_path=cfg.get("val_data_path"),
+            val_data_path=cfg.val_data_path,
             bad_rows=bad_rows,
         )
     return ds.train, ds.validation, ds.task_name
@@ -273,24 +279,23 @@ def build_dataset_parts(
     counted in `num_skipped` and logged in one line."""
     if not isinstance(cfg, Mapping):
         raise DataError(f"{where}: expected a mapping of dataset keys, got {type(cfg).__name__}")
-    cfg = {k: v for k, v in cfg.items() if v is not None}  # null means "not set" (typed configs dump it)
-    kind = _kind(cfg, where)
-    _check_keys(cfg, kind, where)
+    raw = {k: v for k, v in cfg.items() if v is not None}  # null means "not set" (typed configs dump it)
+    entry = _typed(raw, where)
+    kind = _kind(entry, where)
+    _check_keys(raw, kind, where)
     bad = BadRows(bad_rows, where)
-    main_rows, val_rows, default_task = _load_rows(cfg, kind, where, bad)
+    main_rows, val_rows, default_task = _load_rows(entry, kind, where, bad)
     source_skips = bad.count
-    task_spec = TaskSpec.from_files(
-        cfg.get("task_name") or default_task, cfg.get("prompt_file"), cfg.get("system_prompt_file")
-    )
-    processor = cfg.get("processor") or (DEFAULT_ARITHMETIC_PROCESSOR if kind == ARITHMETIC else DEFAULT_PROCESSOR)
-    options = {k: cfg[k] for k in PROCESSOR_OPTION_KEYS if cfg.get(k) is not None}
-    options.update(cfg.get("processor_kwargs") or {})
+    task_spec = TaskSpec.from_files(entry.task_name or default_task, entry.prompt_file, entry.system_prompt_file)
+    processor = entry.processor or (DEFAULT_ARITHMETIC_PROCESSOR if kind == ARITHMETIC else DEFAULT_PROCESSOR)
+    options = {k: getattr(entry, k) for k in PROCESSOR_OPTION_KEYS if getattr(entry, k) is not None}
+    options.update(entry.processor_kwargs or {})
 
     def processed(rows, suffix: str) -> ProcessedDataset:
         try:
             return ProcessedDataset(
-                rows, processor, task_spec, tokenizer, cfg.get("max_input_seq_length"),
-                env_name=cfg.get("env_name"), processor_kwargs=options, name=task_spec.task_name + suffix,
+                rows, processor, task_spec, tokenizer, entry.max_input_seq_length,
+                env_name=entry.env_name, processor_kwargs=options, name=task_spec.task_name + suffix,
                 bad_rows=bad, preprocess=kind != ARITHMETIC,
             )  # fmt: skip
         except DataError as exc:
@@ -345,7 +350,7 @@ def build_data(data_cfg: Mapping[str, Any], tokenizer, *, where: str = "data") -
     BadRows(policy, where)  # an unknown policy is refused before any file is read
     defaults = dict(data_cfg.get("default") or {})
     for key in defaults:
-        if key not in COMMON_KEYS | ARITHMETIC_KEYS | FILE_KEYS:
+        if key not in DATASET_KEYS:
             raise DataError(f"{where}.default.{key}: unknown dataset key")
     if data_cfg.get("max_input_seq_length") is not None:
         defaults.setdefault("max_input_seq_length", data_cfg["max_input_seq_length"])
@@ -383,7 +388,7 @@ def _with_defaults(defaults: Mapping[str, Any], entry: Mapping[str, Any], where:
     dataset (a default `input_key` does not reach an arithmetic entry)."""
     if not isinstance(entry, Mapping):
         raise DataError(f"{where}: expected a mapping of dataset keys, got {type(entry).__name__}")
-    kind = _kind({**defaults, **entry}, where)
+    kind = _kind(_typed({**defaults, **entry}, where), where)
     allowed = COMMON_KEYS | (ARITHMETIC_KEYS if kind == ARITHMETIC else FILE_KEYS)
     return {**{k: v for k, v in defaults.items() if k in allowed}, **entry}
 

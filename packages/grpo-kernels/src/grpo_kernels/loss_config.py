@@ -9,11 +9,17 @@ the key. Formulas and papers of every option: docs/algorithms.md (section Loss).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-KL_TYPES = ("k1", "k2", "k3")
-TRUNCATION_TYPES = ("tis", "icepop", "seq-mask-tis")
+# The choices are Literal types so that grpo-train's pydantic `loss_fn` section, which takes its
+# fields from this class, refuses a wrong name at its key path with the list of choices.
+KLType = Literal["k1", "k2", "k3"]
+TruncationType = Literal["tis", "icepop", "seq-mask-tis"]
 # verl's `loss_agg_mode` names (docs/algorithms.md has the formulas).
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+KL_TYPES: tuple[str, ...] = get_args(KLType)
+TRUNCATION_TYPES: tuple[str, ...] = get_args(TruncationType)
+AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
 
 
 class LossOptionError(ValueError):
@@ -60,22 +66,22 @@ class PGLossConfig:
         mu * aggregate(-curr * [mean_t A_i > 0]); 0 = off.
     """
 
+    reference_policy_kl_penalty: float = 0.01
+    reference_policy_kl_type: KLType = "k3"
+    kl_input_clamp_value: float | None = 20.0
+    kl_output_clamp_value: float | None = 10.0
     ratio_clip_min: float = 0.2
     ratio_clip_max: float = 0.2
     ratio_clip_c: float | None = None
-    reference_policy_kl_penalty: float = 0.01
-    reference_policy_kl_type: str = "k3"
-    kl_input_clamp_value: float | None = 20.0
-    kl_output_clamp_value: float | None = 10.0
     use_on_policy_kl_approximation: bool = False
     use_importance_sampling_correction: bool = False
-    truncated_importance_sampling_type: str | None = None
+    truncated_importance_sampling_type: TruncationType | None = None
     truncated_importance_sampling_ratio: float | None = None
     truncated_importance_sampling_ratio_min: float | None = None
     token_level_loss: bool | None = None
     sequence_level_importance_ratios: bool = False
     disable_ppo_ratio: bool = False
-    loss_aggregation: str | None = None
+    loss_aggregation: Aggregation | None = None
     loss_scale_factor: float | None = None
     force_on_policy_ratio: bool = False
     use_cispo: bool = False

@@ -6,11 +6,23 @@ here and nowhere else; components receive their own section, never the root. No 
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    create_model,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from grpo_data.config import DATASET_KEYS, DatasetEntry, DatasetKeyError
 from grpo_kernels.loss_config import LossOptionError, PGLossConfig
 
 
@@ -215,54 +227,31 @@ class GRPOConfig(Section):
 
 
 # ------------------------------------------------------------------------------- loss_fn
-class LossConfig(Section):
-    reference_policy_kl_penalty: float = Field(0.01, ge=0)
-    """beta of the KL to the reference policy; 0 skips the reference entirely."""
-    reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator."""
-    kl_input_clamp_value: float | None = Field(20.0, gt=0)
-    """Clamp of ref - curr before the estimator."""
-    kl_output_clamp_value: float | None = Field(10.0, gt=0)
-    """Clamp of the per-token KL."""
-    ratio_clip_min: float = Field(0.2, ge=0)
-    """Lower clip: ratio >= 1 - ratio_clip_min."""
-    ratio_clip_max: float = Field(0.2, ge=0)
-    """Upper clip: ratio <= 1 + ratio_clip_max (DAPO clip-higher when larger than min)."""
-    ratio_clip_c: float | None = None
-    """Dual clip constant c > 1 for negative advantages (null: off)."""
-    use_on_policy_kl_approximation: bool = False
-    """Weight the KL by exp(curr - gen)."""
-    use_importance_sampling_correction: bool = False
-    """Weight tokens by exp(prev - gen) to correct the trainer/generator mismatch."""
-    truncated_importance_sampling_type: Literal["tis", "icepop", "seq-mask-tis"] | None = None
-    """How importance weights outside [min, max] are treated."""
-    truncated_importance_sampling_ratio: float | None = Field(None, gt=0)
-    """Upper bound of the importance weight."""
-    truncated_importance_sampling_ratio_min: float | None = Field(None, ge=0)
-    """Lower bound of the importance weight (icepop / seq-mask-tis)."""
-    token_level_loss: bool | None = None
-    """true: loss_aggregation token-mean (mean over all valid tokens of the global batch); false:
-    seq-mean-token-mean (mean of per-sequence means); null: follows loss_aggregation (token-mean
-    when both are null). Contradicting loss_aggregation is refused."""
-    sequence_level_importance_ratios: bool = False
-    """GSPO: one ratio and one train/inference weight per sequence (requires seq-mean-token-mean)."""
-    disable_ppo_ratio: bool = False
-    """REINFORCE: use curr in place of the ratio."""
-    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                              "seq-mean-token-sum-norm"] | None = None
-    """How per-token terms become the loss (verl's loss_agg_mode; docs/algorithms.md);
-    seq-mean-token-sum-norm is Dr.GRPO's constant-length normaliser. null: follows token_level_loss."""
-    loss_scale_factor: float | None = Field(None, gt=0)
-    """The constant length L of seq-mean-token-sum-norm (e.g. the maximum response length)."""
-    force_on_policy_ratio: bool = False
-    """Ratio = exp(curr - sg(curr)) = 1, never clipped; needs one optimizer step per rollout."""
-    use_cispo: bool = False
-    """CISPO (MiniMax-M1): -A * sg(clamp(ratio)) * curr per token; every token keeps a gradient."""
-    kl_true_gradient: bool = True
-    """Keep the KL term's importance weight in the graph: the true gradient of KL(pi || ref)
-    (NeMo RL >= 0.7, arXiv 2506.09477). false: detached, grpo's behaviour before."""
-    positive_example_nll_weight: float = Field(0.0, ge=0)
-    """VAPO: mu of an NLL term on the sequences with positive advantage (0: off)."""
+def _section_of(component_config: type, name: str) -> type[Section]:
+    """A section whose fields are those of a component's own frozen dataclass (type and default),
+    so that each key is declared once, by the package that reads it. `__declared_in__` names that
+    class for test_schema_walk's check that no key is declared twice."""
+    hints = typing.get_type_hints(component_config)
+    fields: dict[str, Any] = {f.name: (hints[f.name], f.default) for f in dataclasses.fields(component_config)}
+    section = create_model(name, __base__=Section, **fields)
+    section.__declared_in__ = component_config  # type: ignore[attr-defined]
+    return section
+
+
+# The loss op's options are declared once, in grpo_kernels.PGLossConfig (with their meaning in its
+# docstring); this section takes its fields from there, and the op refuses bad values at config
+# time through `_loss_options` below. grpo-kernels stays free of pydantic; its config is torch-free.
+if typing.TYPE_CHECKING:  # the static view of the same section: the op config's fields on a Section
+
+    # Both bases are frozen at run time; pyright reads Section's frozen from its model_config only.
+    class _PGLossSection(Section, PGLossConfig): ...  # pyright: ignore[reportGeneralTypeIssues]
+else:
+    _PGLossSection = _section_of(PGLossConfig, "PGLossSection")
+
+
+class LossConfig(_PGLossSection):
+    """`loss_fn`: grpo_kernels.PGLossConfig's fields, plus the keys that grpo-train alone reads."""
+
     use_kl_in_reward: bool = False
     """Move the KL from the loss into the reward: every response token's reward (advantage) gets
     -reference_policy_kl_penalty * k(prev || ref) with k = reference_policy_kl_type, and the loss's KL
@@ -285,15 +274,16 @@ class LossConfig(Section):
         of this section that other components consume (use_kl_in_reward: the rollout's advantages)
         are not passed, and with the KL in the reward the loss's beta is 0 (applied once)."""
         op_keys = PGLossConfig.__dataclass_fields__
-        fields = {k: v for k, v in self.model_dump().items() if k in op_keys}
+        fields = {k: getattr(self, k) for k in op_keys}
         fields["reference_policy_kl_penalty"] = self.loss_kl_penalty
         return PGLossConfig(**fields)
 
     @model_validator(mode="after")
     def _loss_options(self) -> LossConfig:
-        """Every combination the loss op refuses (grpo_kernels.PGLossConfig), at its key path."""
+        """Every value and combination the loss op refuses (grpo_kernels.PGLossConfig), at its key
+        path; checked on the keys as written (a negative beta is refused with use_kl_in_reward too)."""
         try:
-            self.loss_op_config()
+            PGLossConfig(**{k: getattr(self, k) for k in PGLossConfig.__dataclass_fields__})
         except LossOptionError as err:
             detail = InitErrorDetails(type=PydanticCustomError("loss_option", "{reason}", {"reason": err.reason}),
                                       loc=(err.field,), input=getattr(self, err.field))
@@ -519,41 +509,29 @@ class PolicyConfig(Section):
 
 
 # ---------------------------------------------------------------------------------- data
-class DatasetConfig(Section):
-    """One dataset entry; the keys are grpo-data's (grpo_data.datasets) and are checked again there
+# grpo-data declares the keys of a dataset entry (grpo_data.config.DatasetEntry, torch-free);
+# this section takes its fields from there, and the values it refuses at their key path.
+if typing.TYPE_CHECKING:  # the static view of the same section (see _PGLossSection)
+
+    # Both bases are frozen at run time; pyright reads Section's frozen from its model_config only.
+    class _DatasetSection(Section, DatasetEntry): ...  # pyright: ignore[reportGeneralTypeIssues]
+else:
+    _DatasetSection = _section_of(DatasetEntry, "DatasetSection")
+
+
+class DatasetConfig(_DatasetSection):
+    """One dataset entry; the keys are grpo-data's (grpo_data.config) and are checked again there
     against the dataset's kind (a file key on a synthetic dataset is refused)."""
 
-    dataset_name: str | None = None
-    """Built-in name (arithmetic, OpenMathInstruct-2, DeepScaler, DAPOMath17K, AIME2024, GSM8K, MATH-500) or ResponseDataset."""
-    task_name: str | None = None
-    processor: str | None = None
-    """Processor name (plain, math, chat) or `module:function`."""
-    processor_kwargs: dict[str, Any] | None = None
-    prompt_file: str | None = None
-    system_prompt_file: str | None = None
-    env_name: str | None = None
-    """Environment that scores this dataset (a key of `env`)."""
-    max_input_seq_length: int | None = Field(None, ge=1)
-    chat_template_kwargs: dict[str, Any] | None = None
-    on_overlong: Literal["truncate", "error"] | None = None
-    """Prompts longer than max_input_seq_length: truncate with loss_multiplier 0 (counted), or error."""
-    split_validation_size: float | int | None = None
-    """Fraction (< 1) or count of rows carved off as validation, by `seed`."""
-    seed: int | None = None
-    data_path: str | None = None
-    """Local JSONL/JSON/Parquet file, folder or glob (overrides the hub location)."""
-    train_data_path: str | None = None
-    val_data_path: str | None = None
-    input_key: str | None = None
-    output_key: str | None = None
-    subset: str | None = None
-    split: str | None = None
-    val_split: str | None = None
-    repeat: int | None = Field(None, ge=1)
-    size: int | None = Field(None, ge=1)
-    """Synthetic datasets: number of rows."""
-    digits: int | None = Field(None, ge=1)
-    operations: list[str] | None = None
+    @model_validator(mode="after")
+    def _entry_values(self) -> DatasetConfig:
+        try:
+            DatasetEntry(**{k: getattr(self, k) for k in DATASET_KEYS})
+        except DatasetKeyError as err:
+            detail = InitErrorDetails(type=PydanticCustomError("dataset_key", "{reason}", {"reason": err.reason}),
+                                      loc=(err.key,), input=getattr(self, err.key))
+            raise ValidationError.from_exception_data(type(self).__name__, [detail]) from None
+        return self
 
 
 class DataConfig(Section):
