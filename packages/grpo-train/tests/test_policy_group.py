@@ -206,3 +206,16 @@ def test_fsdp2_workers_match_one_gpu_worker(tiny_qwen2_dir):
     assert abs(m1["loss"] - m2["loss"]) <= 1e-5 * abs(m1["loss"])
     for name in w1:
         assert rel_err(w2[name], w1[name]) <= 1e-5, name
+
+
+@pytest.mark.parametrize("cores", [1, 2, 16])
+def test_every_actor_gets_every_core_with_passive_openmp_waiting(monkeypatch, cores):
+    """threads_per_actor: the machine's core count (so a resume on the same machine has the same
+    count); idle OpenMP threads sleep instead of spinning while another actor computes."""
+    from grpo_train import setup
+
+    monkeypatch.setattr(setup.os, "cpu_count", lambda: cores)
+    assert setup.threads_per_actor() == cores
+    env = setup.actor_env_vars()
+    assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == str(cores)
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE"

@@ -171,3 +171,95 @@ def test_loss_fn_keys_change_the_training_loss(model_dir, loss_keys):
     assert metrics["loss"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
     assert metrics["positive_nll"] == pytest.approx(nll if loss_keys.get("positive_example_nll_weight") else 0.0,
                                                     rel=1e-5, abs=1e-6)
+
+
+# ------------------------------------------------- on-policy prev-logprob reuse (issue 23)
+PACKED_SAME = {"sequence_packing": {"enabled": True, "train_mb_tokens": 48, "logprob_mb_tokens": 48,
+                                    "sequence_length_round": 4}}
+
+
+def train_recording(model_dir, batch, monkeypatch, **kw):
+    """A fresh worker's train(batch): the prev logprobs each micro-batch's loss received, the
+    gradients before the optimizer step, the metrics and the updated weights."""
+    import grpo_kernels
+
+    worker = PolicyWorker(model_dir, policy_cfg(**kw), LossConfig(reference_policy_kl_penalty=0.05), seed=0)
+    batch = {**batch, "ref_logprobs": worker.logprobs(batch, reference=True)}
+    loss_fn = getattr(grpo_kernels.clipped_pg_loss, "unrecorded", grpo_kernels.clipped_pg_loss)
+    seen, grads, step = [], {}, worker.optimizer.step
+
+    def recording_loss(curr, prev, *args):
+        seen.append(prev.detach().clone())
+        return loss_fn(curr, prev, *args)
+
+    recording_loss.unrecorded = loss_fn
+    def capture_then_step(*args, **kwargs):
+        grads.update({k: v.grad.detach().clone() for k, v in worker.model.named_parameters()})
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(grpo_kernels, "clipped_pg_loss", recording_loss)
+    worker.optimizer.step = capture_then_step
+    metrics = worker.train(batch)
+    return worker, seen, grads, metrics
+
+
+@pytest.mark.parametrize("kw", [{"logprob_batch_size": 8}, {"logprob_batch_size": 4, "train_micro_batch_size": 4},
+                                PACKED_SAME], ids=["padded-1mb", "padded-2mb", "packed"])
+def test_reused_prev_logprobs_are_bitwise_the_separate_pass(model_dir, monkeypatch, kw):
+    """One optimizer step over the whole batch, logprob and train micro-batches alike: prev taken
+    from the training forward equals the separate pass bitwise, and so do the loss, every
+    gradient, every metric and the updated weights."""
+    from grpo_train.train_step import seq_mult_prob_error
+
+    batch = make_batch()
+    probe = PolicyWorker(model_dir, policy_cfg(**kw), LossConfig(reference_policy_kl_penalty=0.05), seed=0)
+    assert probe.reuses_prev(batch, 8)
+    separate_prev = probe.logprobs(batch)  # [B, S], what train_step.add_logprobs would have sent
+    w_sep, seen_sep, grads_sep, m_sep = train_recording(model_dir, {**batch, "prev_logprobs": separate_prev},
+                                                        monkeypatch, **kw)
+    w_re, seen_re, grads_re, m_re = train_recording(model_dir, batch, monkeypatch, **kw)  # no prev: reused
+    assert len(seen_re) == len(seen_sep) >= 1
+    for a, b in zip(seen_re, seen_sep):
+        assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b)
+    assert sorted(grads_re) == sorted(grads_sep)
+    for name in grads_sep:
+        assert torch.equal(grads_re[name], grads_sep[name]), name
+    for (name, a), (_, b) in zip(w_re.model.named_parameters(), w_sep.model.named_parameters()):
+        assert torch.equal(a, b), name
+    # add_advantages logs this metric from the separate pass; the reusing train call logs it itself
+    expected_err = float(seq_mult_prob_error({**batch, "prev_logprobs": separate_prev}).max())
+    assert m_re.pop("max_seq_mult_prob_error") == expected_err
+    assert "max_seq_mult_prob_error" not in m_sep
+    assert m_re == m_sep
+
+
+@pytest.mark.parametrize("kw, rows, why", [
+    ({"logprob_batch_size": 3}, 8, "logprob micro-batches of 3 rows, train of 8: other matmul shapes"),
+    ({"logprob_batch_size": 8, "train_global_batch_size": 4, "train_micro_batch_size": 4}, 8,
+     "two optimizer steps: the second step's prev is the start-of-step weights', not its own forward's"),
+    ({"logprob_batch_size": 8}, 6, "a batch other than train_global_batch_size"),
+], ids=["other-microbatches", "two-steps", "other-batch-size"])
+def test_without_reuse_train_runs_the_separate_pass_itself(model_dir, monkeypatch, kw, rows, why):
+    """Where reuse is not provably bitwise, a train call without prev computes it first (before
+    any optimizer step), exactly as the driver's separate pass would."""
+    batch = make_batch(B=rows)
+    probe = PolicyWorker(model_dir, policy_cfg(**kw), LossConfig(reference_policy_kl_penalty=0.05), seed=0)
+    assert not probe.reuses_prev(batch, probe.cfg.train_global_batch_size), why
+    separate_prev = probe.logprobs(batch)
+    w_sep, seen_sep, grads_sep, m_sep = train_recording(model_dir, {**batch, "prev_logprobs": separate_prev},
+                                                        monkeypatch, **kw)
+    w_own, seen_own, grads_own, m_own = train_recording(model_dir, batch, monkeypatch, **kw)
+    assert len(seen_own) == len(seen_sep)
+    for a, b in zip(seen_own, seen_sep):
+        assert torch.equal(a, b)
+    for name in grads_sep:
+        assert torch.equal(grads_own[name], grads_sep[name]), name
+    assert m_own == m_sep  # no reuse metric: add_advantages logs it from the batch's prev
+
+
+def test_dropout_disables_reuse(model_dir):
+    worker = PolicyWorker(model_dir, policy_cfg(logprob_batch_size=8), LossConfig(), seed=0)
+    batch = make_batch()
+    assert worker.reuses_prev(batch, 8)
+    worker.model.config.attention_dropout = 0.1  # each forward would draw its own mask
+    assert not worker.reuses_prev(batch, 8)

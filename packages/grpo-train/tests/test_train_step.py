@@ -139,7 +139,9 @@ def test_add_logprobs_asks_for_prev_and_ref_in_one_call(monkeypatch, beta, calls
     monkeypatch.setattr(train_step.ray, "get", lambda ref: ref)
     policy = RecordingPolicy(3, 4)
     batch = {"input_ids": torch.zeros(3, 4, dtype=torch.long)}
-    add_logprobs(cfg(loss_fn={"reference_policy_kl_penalty": beta}), policy, batch)
+    # the logprob-error mask reads prev before training: the separate pass
+    add_logprobs(cfg(loss_fn={"reference_policy_kl_penalty": beta}, grpo={"seq_logprob_error_threshold": 2.0}),
+                 policy, batch)
     assert policy.calls == calls
     assert torch.equal(batch["prev_logprobs"], policy.prev)
     if beta:
@@ -161,3 +163,40 @@ def test_process_age_counts_from_the_process_start():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     elapsed = time.perf_counter() - start
     assert 1.0 <= float(out) <= elapsed
+
+
+@pytest.mark.parametrize("beta, calls", [(0.01, ["logprobs(reference)"]), (0.0, [])])
+def test_add_logprobs_leaves_prev_to_the_train_call_where_it_may_be_reused(monkeypatch, beta, calls):
+    """Sync GRPO, one worker, nothing reading prev before training: only ref is fetched (the policy's
+    train call takes prev from its forward, or runs the pass itself: test_policy_worker)."""
+    monkeypatch.setattr(train_step.ray, "get", lambda ref: ref)
+    policy = RecordingPolicy(3, 4)
+    batch = {"input_ids": torch.zeros(3, 4, dtype=torch.long)}
+    add_logprobs(cfg(loss_fn={"reference_policy_kl_penalty": beta}), policy, batch)
+    assert policy.calls == calls
+    assert "prev_logprobs" not in batch
+    assert ("ref_logprobs" in batch) == bool(beta) and (not beta or torch.equal(batch["ref_logprobs"], policy.ref))
+
+
+def test_prev_reuse_only_where_nothing_needs_its_own_pass():
+    base = cfg()
+    assert train_step.reuses_prev_logprobs(base)
+    refused = {
+        "async": base.model_copy(update={"grpo": base.grpo.model_copy(
+            update={"async_grpo": base.grpo.async_grpo.model_copy(update={"enabled": True})})}),
+        "ppo": cfg(ppo={}),
+        "kl in reward": cfg(loss_fn={"use_kl_in_reward": True, "reference_policy_kl_penalty": 0.01}),
+        "logprob-error mask": cfg(grpo={"seq_logprob_error_threshold": 2.0}),
+        "two workers": base.model_copy(update={"policy": base.policy.model_copy(update={"num_workers": 2})}),
+    }
+    for why, c in refused.items():
+        assert not train_step.reuses_prev_logprobs(c), why
+
+
+def test_advantages_without_prev_leave_the_logprob_error_metric_to_the_train_call():
+    c = cfg(group=2)
+    rollouts = [rollout(0, 1.0, 3), rollout(0, 0.0, 3)]
+    batch, _ = prepare_batch(c, rollouts, pad_id=0)
+    metrics = add_advantages(c, rollouts, batch)
+    assert "max_seq_mult_prob_error" not in metrics
+    assert torch.equal(batch["advantages"][:, 2:] != 0, batch["token_mask"][:, 2:] > 0)

@@ -115,16 +115,21 @@ def init_ray(cluster_cfg, env_vars: dict[str, str]) -> None:
 
 
 def threads_per_actor() -> int:
-    """Torch threads per actor. Generation, training and environments take turns, but OpenMP
-    threads spin while waiting: on a small machine more threads than half the cores made a
-    tiny model's forward 17x slower (measured on 2 cores under load)."""
-    return max(1, (os.cpu_count() or 1) // 2)
+    """Torch threads per actor: every core. Generation, training and environments take turns, so
+    the active phase of a sync step gets the whole machine; `actor_env_vars` makes idle OpenMP
+    threads sleep (OMP_WAIT_POLICY=PASSIVE) instead of spinning, the spinning that once made a
+    tiny model's forward 17x slower with more threads than half the cores. Measured on the 2-core
+    demo (benchmarks/results/perf_profile_cpu.md): 2 threads + passive waiting beat 1 thread.
+    Derived from the machine alone, so a resumed run on the same machine has the same count (and
+    bitwise the same float reductions)."""
+    return max(1, os.cpu_count() or 1)
 
 
 def actor_env_vars() -> dict[str, str]:
     """Environment for every actor (thread counts, offline flags, Ray/vLLM switches)."""
     threads = str(threads_per_actor())
     env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
+           "OMP_WAIT_POLICY": "PASSIVE",  # idle actors' threads sleep (threads_per_actor gives each every core)
            "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME", "VLLM_CPU_KVCACHE_SPACE", "PYTHONPATH"):
         if key in os.environ:

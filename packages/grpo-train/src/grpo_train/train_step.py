@@ -99,7 +99,10 @@ def seq_mult_prob_error(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def mask_by_logprob_error(cfg: GRPOMasterConfig, batch: dict[str, torch.Tensor]) -> dict[str, float]:
     """grpo.seq_logprob_error_threshold: sample_mask 0 for sequences whose seq_mult_prob_error
-    exceeds it (NeMo RL's definition); the max error is logged either way."""
+    exceeds it (NeMo RL's definition); the max error is logged either way (by the policy's train
+    call when prev comes from the training forward: `reuses_prev_logprobs`, threshold null)."""
+    if "prev_logprobs" not in batch:
+        return {}
     err = seq_mult_prob_error(batch)
     metrics = {"max_seq_mult_prob_error": float(err.max()) if err.numel() else 1.0}
     threshold = cfg.grpo.seq_logprob_error_threshold
@@ -112,9 +115,23 @@ def mask_by_logprob_error(cfg: GRPOMasterConfig, batch: dict[str, torch.Tensor])
     return metrics
 
 
+def reuses_prev_logprobs(cfg: GRPOMasterConfig) -> bool:
+    """Whether the policy may take prev from the training forward (PolicyWorker.reuses_prev, which
+    also checks the batch: one optimizer step, same micro-batches): sync GRPO on one worker, and
+    nothing reads prev before training (the in-reward KL, the logprob-error mask). Async and PPO
+    keep their own pass (their prev must be the weights the samples came from, or several steps' start)."""
+    return (cfg.algorithm == "grpo" and not cfg.grpo.async_grpo.enabled and cfg.policy.num_workers == 1
+            and not cfg.loss_fn.use_kl_in_reward and cfg.grpo.seq_logprob_error_threshold is None)
+
+
 def add_logprobs(cfg: GRPOMasterConfig, policy, batch: dict[str, torch.Tensor]) -> None:
     """prev (and, when beta > 0, ref) logprobs of the batch under the start-of-step weights; both
-    in one call to the policy (one round trip, the batch sent once)."""
+    in one call to the policy (one round trip, the batch sent once). Where `reuses_prev_logprobs`,
+    prev is left to the policy's train call (ref alone is computed here)."""
+    if reuses_prev_logprobs(cfg):
+        if cfg.loss_fn.reference_policy_kl_penalty > 0:
+            batch["ref_logprobs"] = ray.get(policy.logprobs.remote(batch, reference=True))
+        return
     if cfg.loss_fn.reference_policy_kl_penalty > 0:
         both = ray.get(policy.logprobs_and_reference.remote(batch))  # [2, B, S]
         batch["prev_logprobs"], batch["ref_logprobs"] = both[0].clone(), both[1].clone()  # own storage each

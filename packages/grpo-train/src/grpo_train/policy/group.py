@@ -33,7 +33,7 @@ from grpo_train.placement import actor_class
 
 # Metrics of clipped_pg_loss that are min/max over ranks; rank-independent ones come from rank 0.
 _MIN_METRICS = ("ratio_min", "clipped_ratio_min")
-_MAX_METRICS = ("ratio_max", "clipped_ratio_max")
+_MAX_METRICS = ("ratio_max", "clipped_ratio_max", "max_seq_mult_prob_error")
 _SHARED_METRICS = ("grad_norm", "lr")
 PLACEMENT_TIMEOUT_S = 120
 

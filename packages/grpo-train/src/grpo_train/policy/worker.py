@@ -26,7 +26,7 @@ from grpo_train.policy.precision import DTYPES, MasterWeights, cast_parameters, 
 
 # Metrics of clipped_pg_loss that are min/max rather than partial sums.
 _MIN_METRICS = ("ratio_min", "clipped_ratio_min")
-_MAX_METRICS = ("ratio_max", "clipped_ratio_max")
+_MAX_METRICS = ("ratio_max", "clipped_ratio_max", "max_seq_mult_prob_error")
 # Tokenizer files of the source model that a checkpoint's model folder carries along, so that the
 # folder loads alone (vLLM in `grpo eval --checkpoint` reads its tokenizer from the model folder).
 MASTERS_FILE = "master_weights.safetensors"  # fp32 masters of a mixed-precision run (model/ holds the compute dtype)
@@ -93,6 +93,7 @@ class PolicyWorker:
         self._weight_group = None  # the collective weight transport's group (rank 0 only)
         self._home = torch.device("cpu")  # where this rank computes (its GPU once init_distributed moved it)
         self._offloaded: tuple[str, ...] = ()  # parts on the host for a colocated engine (offload)
+        self._reusing_prev = False  # train(): prev logprobs taken from the training forward (reuses_prev)
 
     # ----------------------------------------------------------------------------- scoring
     def _run(self, model: torch.nn.Module, fn, *args, **kwargs):
@@ -189,7 +190,30 @@ class PolicyWorker:
         per optimizer step over all data-parallel ranks; computed locally for one worker.
         """
         per_step = self.cfg.train_global_batch_size // self.world_size
-        return run_optimizer_steps(batch, per_step, global_valid_tokens, global_valid_seqs, self._optimizer_step)
+        self._reusing_prev = False
+        if "prev_logprobs" not in batch:  # the driver left prev to us (train_step.reuses_prev_logprobs)
+            if self.reuses_prev(batch, per_step):
+                self._reusing_prev = True
+            else:  # the separate pass, here before any optimizer step: the start-of-step weights
+                batch = {**batch, "prev_logprobs": self.logprobs(batch)}
+        try:
+            return run_optimizer_steps(batch, per_step, global_valid_tokens, global_valid_seqs, self._optimizer_step)
+        finally:
+            self._reusing_prev = False
+
+    def reuses_prev(self, batch: dict[str, torch.Tensor], per_step: int) -> bool:
+        """Whether the training forward's logprobs (detached) are bitwise the `logprobs(batch)` a
+        separate pass would give: the whole batch in ONE optimizer step on one rank, so every
+        micro-batch runs under the start-of-step weights; the logprob and train planners cut the
+        same micro-batches (same rows, widths and packing: the same matmul shapes); and no
+        dropout draws a different mask in each forward."""
+        if self.world_size != 1 or batch_size(batch) != per_step:
+            return False
+        if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules()):
+            return False
+        if float(getattr(self.model.config, "attention_dropout", 0.0) or 0.0) > 0:
+            return False
+        return self._plan(batch, "logprob")[2] == self._plan(batch, "train")[2]
 
     def _optimizer_step(self, batch: dict[str, torch.Tensor], global_tokens: float, global_seqs: float) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
@@ -205,6 +229,10 @@ class PolicyWorker:
             with self._router.capture() if self._router is not None else contextlib.nullcontext():
                 curr = self._microbatch_logprobs(self.model, batch, plan[i])  # [rows, W]
             mb = microbatch.rows_of(batch, plan[i].rows, curr.shape[1], curr.device)
+            if self._reusing_prev:  # on-policy, one optimizer step: prev is this forward's logprobs
+                mb["prev_logprobs"] = curr.detach()  # [rows, W] fp32, as logprobs() stores them
+                err = self._seq_prob_error(batch, plan[i], mb["prev_logprobs"])
+                sums["max_seq_mult_prob_error"] = max(sums.get("max_seq_mult_prob_error", -math.inf), err)
             loss, m = grpo_kernels.clipped_pg_loss(
                 curr, mb["prev_logprobs"], mb["gen_logprobs"], mb.get("ref_logprobs"), mb["advantages"],
                 mb["token_mask"], mb["sample_mask"], self.loss_cfg, global_tokens, global_seqs,
@@ -241,6 +269,19 @@ class PolicyWorker:
         self.scheduler.step()
         sums.update(grad_norm=grad_norm, lr=lr)
         return sums
+
+    @staticmethod
+    def _seq_prob_error(batch: dict[str, torch.Tensor], mb: microbatch.MicroBatch, prev: torch.Tensor) -> float:
+        """The largest seq_mult_prob_error of the micro-batch's rows, on the rows at the batch's
+        full width (as `train_step.add_advantages` computes it when prev comes from its own pass)."""
+        from grpo_train.train_step import seq_mult_prob_error
+
+        rows = torch.tensor(mb.rows, dtype=torch.long)
+        full = torch.zeros(len(mb.rows), batch["input_ids"].shape[1])
+        full[:, : prev.shape[1]] = prev.float().cpu()
+        err = seq_mult_prob_error({"prev_logprobs": full, "gen_logprobs": batch["gen_logprobs"].index_select(0, rows),
+                                   "token_mask": batch["token_mask"].index_select(0, rows)})
+        return float(err.max())
 
     @staticmethod
     def _router_mask(batch: dict[str, torch.Tensor], mb: microbatch.MicroBatch, rows: dict[str, torch.Tensor],
