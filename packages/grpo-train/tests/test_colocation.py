@@ -120,7 +120,9 @@ def test_sync_grpo_order(recorded):
     parts, memory = fake_run(recorded)
     memory.start_engines_first()
     sync_loop.train_sync(config(), parts, LOGGER, object(), TrainerState())
-    step = [("generate", ""), *TO_TRAINING, ("logprobs_and_reference", ""), ("train", ""),
+    # one worker, one optimizer step, no reader of prev before training: prev comes from the
+    # training forward (train_step.reuses_prev_logprobs), so only the reference is scored here
+    step = [("generate", ""), *TO_TRAINING, ("logprobs", "ref"), ("train", ""),
             *TO_REFIT, ("push", ""), ("refit_check", ""), *END_OF_STEP]
     assert recorded == [*START, *TO_GENERATION_FROM_START, ("validate", ""),
                         *step,  # step 1 (generation phase already entered for the validation)
@@ -160,7 +162,9 @@ def test_async_grpo_calls_the_same_phases_at_the_trainer_points(recorded, monkey
     monkeypatch.setattr(async_loop, "pipeline_metrics", lambda *a, **k: {})
     monkeypatch.setattr(async_loop, "save_async_checkpoint", lambda *a, **k: recorded.append(("save", "")))
     monkeypatch.setattr(async_loop, "stop_collector", lambda *a, **k: None)
-    async_loop.train_async(config(), parts, LOGGER, object(), TrainerState())
+    cfg = GRPOMasterConfig(grpo={"max_num_steps": 2, "val_period": 1, "val_at_start": True, "async_grpo": {"enabled": True}},
+                           checkpointing={"save_period": 1}, loss_fn={"use_importance_sampling_correction": True})
+    async_loop.train_async(cfg, parts, LOGGER, object(), TrainerState())  # async: prev and ref in one call
     def step(to_training):
         return [("take_groups", ""), *to_training, ("logprobs_and_reference", ""), ("train", ""),
                 *TO_REFIT, ("push", ""), ("refit_check", ""), *END_OF_STEP]

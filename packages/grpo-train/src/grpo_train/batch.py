@@ -71,3 +71,12 @@ def select_rows(batch: dict[str, torch.Tensor], rows: slice | torch.Tensor) -> d
     width = int(out["attention_mask"].sum(dim=1).max().item()) if out["attention_mask"].numel() else 1
     return {k: (v[:, : max(width, 2)] if v.dim() == 2 else v) for k, v in out.items()}
 
+
+def seq_mult_prob_error(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[B] per sequence: masked mean over response tokens of exp(|prev - gen|) (the step's
+    token_mult_prob_error, per sequence; 1.0 = trainer and generator agree). 1.0 for a row
+    without response tokens."""
+    m = batch["token_mask"]
+    err = torch.exp((batch["prev_logprobs"] - batch["gen_logprobs"]).abs() * m) * m
+    n = m.sum(dim=1)
+    return torch.where(n > 0, err.sum(dim=1) / n.clamp(min=1), torch.ones_like(n))

@@ -12,7 +12,7 @@ import torch
 
 from grpo_train import weight_sync
 from grpo_train.advantages import groups_with_signal, scale_rewards, shape_rewards
-from grpo_train.batch import Rollout, build_train_batch
+from grpo_train.batch import Rollout, build_train_batch, seq_mult_prob_error
 from grpo_train.config.schema import GRPOMasterConfig
 from grpo_train.group_estimators import GroupBatch, estimate_advantages, kl_in_reward
 
@@ -85,16 +85,6 @@ def add_advantages(cfg: GRPOMasterConfig, rollouts: list[Rollout], batch: dict[s
     metrics |= mask_by_logprob_error(cfg, batch)
     metrics["masked_samples"] = float((batch["sample_mask"] == 0).sum())
     return metrics
-
-
-def seq_mult_prob_error(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """[B] per sequence: masked mean over response tokens of exp(|prev - gen|) (the step's
-    token_mult_prob_error, per sequence; 1.0 = trainer and generator agree). 1.0 for a row
-    without response tokens."""
-    m = batch["token_mask"]
-    err = torch.exp((batch["prev_logprobs"] - batch["gen_logprobs"]).abs() * m) * m
-    n = m.sum(dim=1)
-    return torch.where(n > 0, err.sum(dim=1) / n.clamp(min=1), torch.ones_like(n))
 
 
 def mask_by_logprob_error(cfg: GRPOMasterConfig, batch: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -16,7 +16,7 @@ import torch
 
 import grpo_kernels
 from grpo_train.actor_group import run_optimizer_steps, sum_gradients
-from grpo_train.batch import batch_size
+from grpo_train.batch import batch_size, seq_mult_prob_error
 from grpo_train.config.schema import LossConfig, PolicyConfig
 from grpo_train.errors import NonFiniteLossError  # re-exported: its old home
 from grpo_train.policy import fsdp, microbatch
@@ -274,8 +274,6 @@ class PolicyWorker:
     def _seq_prob_error(batch: dict[str, torch.Tensor], mb: microbatch.MicroBatch, prev: torch.Tensor) -> float:
         """The largest seq_mult_prob_error of the micro-batch's rows, on the rows at the batch's
         full width (as `train_step.add_advantages` computes it when prev comes from its own pass)."""
-        from grpo_train.train_step import seq_mult_prob_error
-
         rows = torch.tensor(mb.rows, dtype=torch.long)
         full = torch.zeros(len(mb.rows), batch["input_ids"].shape[1])
         full[:, : prev.shape[1]] = prev.float().cpu()
