@@ -52,7 +52,7 @@ def trl_main(steps: int, out_json: Path) -> None:
     from grpo_data.arithmetic import ArithmeticDataset
     from grpo_envs.answers import canonical_integer, first_integer
     from grpo_train.assets import builtin_model_path
-    from grpo_train.train_step import process_age_s
+    from grpo_train.step import process_age_s
 
     model_path = str(builtin_model_path("arith-tiny"))
     tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
