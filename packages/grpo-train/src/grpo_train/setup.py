@@ -6,7 +6,12 @@ is neither local nor downloadable, a missing data file) raise `StartupError` wit
 
 from __future__ import annotations
 
+import fcntl
 import os
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,6 +100,42 @@ def check_model_options(cfg: GRPOMasterConfig, model_path: str) -> None:
             raise StartupError(f"policy.moe_aux_loss_coeff: {exc}") from None
 
 
+# Ray 2.60's raylet gives its dashboard agent and runtime-env agent a fixed 15 s (not a config
+# key) to write their port files, and aborts otherwise; `ray.init` then fails 30 s later with
+# "The current node timed out during startup". Each agent is a Python process importing Ray's
+# dashboard, so two local heads started in the same second on a small loaded machine (two runs,
+# two users, a test starting a run beside another) can miss it. Local head start-ups of grpo
+# processes on one node therefore take turns under a node-wide lock, and a head that still
+# fails to start (load from outside grpo) is started once more.
+RAY_START_LOCK = Path(tempfile.gettempdir()) / "grpo-ray-head-start.lock"
+RAY_START_LOCK_WAIT_S = 300.0  # a holder is inside ray.init, which gives up after about 45 s
+RAY_START_ATTEMPTS = 2
+
+
+@contextmanager
+def node_start_lock(path: Path | None = None, wait_s: float = RAY_START_LOCK_WAIT_S):
+    """Hold the node-wide lock on local Ray head start-ups (flock: released when the holder
+    exits, even by SIGKILL). Opened read-only so another user's lock file serves as well; past
+    `wait_s` the start goes ahead unlocked with a warning rather than hang a run."""
+    path = path or RAY_START_LOCK
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)
+    try:
+        deadline = time.monotonic() + wait_s
+        locked = False
+        while not locked:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                locked = True
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    print(f"warning: {path} held for over {wait_s:g} s; starting Ray without it", file=sys.stderr)
+                    break
+                time.sleep(0.2)
+        yield locked
+    finally:
+        os.close(fd)  # releases the flock
+
+
 def init_ray(cluster_cfg, env_vars: dict[str, str]) -> None:
     import ray
 
@@ -108,10 +149,26 @@ def init_ray(cluster_cfg, env_vars: dict[str, str]) -> None:
                               "runtime_env": {"env_vars": env_vars}}
     if address:
         ray.init(address=address, **kwargs)
-    else:
-        # Logical CPUs: generation, training and environments take turns on the same cores.
-        cpus = cluster_cfg.num_cpus or max(os.cpu_count() or 1, 4)
-        ray.init(num_cpus=cpus, **kwargs)
+        return
+    # Logical CPUs: generation, training and environments take turns on the same cores.
+    cpus = cluster_cfg.num_cpus or max(os.cpu_count() or 1, 4)
+    start_local_head(lambda: ray.init(num_cpus=cpus, **kwargs), ray.shutdown)
+
+
+def start_local_head(start, shutdown, attempts: int = RAY_START_ATTEMPTS, lock_path: Path | None = None) -> None:
+    """`start()` a local Ray head under `node_start_lock`; a failed start is shut down and, up
+    to `attempts` in all, started again (one line on stderr says why)."""
+    for attempt in range(1, attempts + 1):
+        try:
+            with node_start_lock(lock_path):
+                start()
+            return
+        except Exception as exc:
+            shutdown()
+            if attempt == attempts:
+                raise
+            print(f"warning: Ray's local head did not start ({str(exc).splitlines()[0][:200]}); "
+                  f"starting it again (attempt {attempt + 1} of {attempts})", file=sys.stderr)
 
 
 def threads_per_actor() -> int:
