@@ -14,7 +14,7 @@ demo: sync
 	$(RUN) grpo train
 
 test: sync
-	$(RUN) pytest packages tests -n 2 --dist loadfile --durations=25
+	$(RUN) pytest packages tests -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
 test-fast: sync
 	$(RUN) pytest packages tests -m "not slow"

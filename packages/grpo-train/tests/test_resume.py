@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from grpo_train.checkpoint import CheckpointManager, load_rng_state, save_rng_state
 from grpo_train.config.schema import GRPOMasterConfig, LossConfig, PolicyConfig
 from grpo_train.policy.worker import PolicyWorker
-from grpo_train.run import EXIT_STARTUP, choose_resume_point, train
+from grpo_train.run import EXIT_OK, EXIT_STARTUP, choose_resume_point, train
 from grpo_train.setup import StartupError
 from grpo_train.state_io import StateFileError, load_state, save_state, write_manifest
 
@@ -134,6 +134,19 @@ def test_none_intact_stops_the_run_with_one_line_before_ray(tmp_path, worker, ti
     assert train(cfg, {}, "t", run_dir=str(run_dir)) == EXIT_STARTUP
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no intact checkpoint" in err[0] and "model.safetensors: content hash mismatch" in err[0]
+
+
+def test_a_finished_run_says_so_before_ray(tmp_path, worker, tiny_qwen2_dir, capsys, monkeypatch):
+    # Rerunning a finished run once started Ray, vLLM and every worker to print this line.
+    monkeypatch.setattr("grpo_train.setup.init_ray", no_ray)
+    run_dir = tmp_path / "run"
+    cfg = GRPOMasterConfig(policy={"model_name": tiny_qwen2_dir, "precision": "float32", "train_global_batch_size": 32},
+                           grpo={"max_num_steps": 3})
+    save_run_checkpoint(CheckpointManager(run_dir / "checkpoints", run_config=cfg.model_dump(mode="json")), worker, 3)
+    capsys.readouterr()
+    assert train(cfg, {}, "t", run_dir=str(run_dir)) == EXIT_OK
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["grpo: this run already finished 3 steps; pass --run-dir to start a new run"]
 
 
 def test_a_checkpoint_without_a_manifest_is_not_resumed(two_checkpoints):

@@ -98,6 +98,11 @@ def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None =
     except StartupError as exc:
         say(str(exc))
         return EXIT_STARTUP
+    if resume_from is not None:
+        done = TrainerState.from_json(CheckpointManager.load_trainer_state(resume_from)).step
+        if done >= cfg.grpo.max_num_steps:  # the run's total is at most max_num_steps: no need to start Ray
+            say(f"this run already finished {done} steps; pass --run-dir to start a new run")
+            return EXIT_OK
     prepare_run_dir(run_path, raw)
     say(f"run folder {run_path}")
     init_ray(cfg.cluster, actor_env_vars())
