@@ -93,6 +93,9 @@ class _EnvActor:
     def global_post_process_and_metrics(self, batch_metadata: list[dict]) -> dict[str, float]:
         return self.env.global_post_process_and_metrics(batch_metadata)
 
+    def tools(self) -> list[dict]:
+        return self.env.tools()
+
     def close(self) -> None:
         self.env.close()
 
@@ -140,6 +143,7 @@ class EnvPool:
         self.max_restarts_per_step = max_restarts_per_step
         self.ready_timeout_s = ready_timeout_s
         self.total_restarts = 0
+        self._tools: list[dict] | None = None
         self._env: Environment | None = None
         self._actors: list[Any] = []
         if in_process:
@@ -166,6 +170,17 @@ class EnvPool:
             out.metrics.update({RESTARTS: 0.0, CRASHED_SAMPLES: 0.0, SAMPLE_ERRORS: float(errors)})
             return out
         return self._step_on_actors(message_logs, env_infos)
+
+    def tools(self) -> list[dict]:
+        """The environment's tool schemas (:meth:`Environment.tools`), asked once and kept."""
+        if self._tools is None:
+            self._tools = self._env.tools() if self.in_process else self._ray.get(self._actors[0].tools.remote())
+        return self._tools
+
+    @property
+    def count_metrics(self) -> frozenset[str]:
+        """Names of this pool's step metrics that count events (summed, not averaged, over steps)."""
+        return self.env_cls.COUNT_METRICS | {RESTARTS, CRASHED_SAMPLES, SAMPLE_ERRORS}
 
     def global_post_process_and_metrics(self, batch_metadata: list[dict]) -> dict[str, float]:
         if self.in_process:
