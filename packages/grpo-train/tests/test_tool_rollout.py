@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,6 +24,9 @@ from grpo_data.testing import make_char_tokenizer
 from grpo_envs.pool import EnvPool
 from grpo_envs.tool_env import Tool, ToolEnv, function_schema
 from grpo_train.generation.base import GenerationResult, SamplingSpec
+from grpo_train.config import validate_config_dict
+from grpo_train.config.errors import ConfigError
+from grpo_train.rollout import rollout_batch
 from grpo_train.rollout.multi_turn import multi_turn_rollout
 
 # A Qwen-style tool template over the char tokenizer's markers: tools in a system turn, consecutive
@@ -185,6 +189,7 @@ class SleepyToolsEnv(ToolEnv):
 
 @pytest.mark.parametrize("per_sample", [True, False])
 def test_finished_samples_do_not_wait_for_a_slow_tool(policy, per_sample):
+    """Through the config: grpo.per_sample_turns picks the schedule of `rollout_batch`."""
     grpo_envs.register("test_sleepy_tools", SleepyToolsEnv, overwrite=True)
     tok = char_tokenizer()
     envs = {"test_sleepy_tools": EnvPool("test_sleepy_tools", {"max_turns": 4, "tool_timeout_s": 5, "stop_after_call": True},
@@ -195,9 +200,11 @@ def test_finished_samples_do_not_wait_for_a_slow_tool(policy, per_sample):
               "fast?": (echo % "a") + " junk|" + (echo % "b") + " junk|"}
     gen = policy(tok, script)
     datums = [datum(tok, "slow?", "test_sleepy_tools", "0"), datum(tok, "fast?", "test_sleepy_tools", "b")]
+    cfg = validate_config_dict({"grpo": {"max_rollout_turns": 4, "per_sample_turns": per_sample},
+                                "policy": {"max_total_sequence_length": 2000}})
+    parts = SimpleNamespace(generator=gen, envs=envs, tokenizer=tok)
     start = time.monotonic()
-    result = multi_turn_rollout(gen, envs, datums, SamplingSpec(max_new_tokens=200), tok, max_turns=4,
-                                max_total_len=2000, per_sample=per_sample)
+    result = rollout_batch(cfg, parts, datums, SamplingSpec(max_new_tokens=200))
     assert [r.reward for r in result.rollouts] == [1.0, 1.0] and [r.turns for r in result.rollouts] == [2, 3]
     calls = gen.calls
     # The fast conversation's last turn (after its second tool response) was generated before the
@@ -209,3 +216,8 @@ def test_finished_samples_do_not_wait_for_a_slow_tool(policy, per_sample):
     assert [stops for _, text, stops in calls if "fast?" in text] == [(), (STOP,), (STOP,)]
     assert result.rollouts[1].text.count("junk") == 1
 
+
+
+def test_per_sample_turns_needs_several_turns():
+    with pytest.raises(ConfigError, match="grpo.per_sample_turns: true needs grpo.max_rollout_turns > 1"):
+        validate_config_dict({"grpo": {"per_sample_turns": True}})
