@@ -23,9 +23,9 @@ from grpo_data.records import DatumSpec
 from grpo_data.testing import make_char_tokenizer
 from grpo_envs.pool import EnvPool
 from grpo_envs.tool_env import Tool, ToolEnv, function_schema
-from grpo_train.generation.base import GenerationResult, SamplingSpec
 from grpo_train.config import validate_config_dict
 from grpo_train.config.errors import ConfigError
+from grpo_train.generation.base import GenerationResult, SamplingSpec
 from grpo_train.rollout import rollout_batch
 from grpo_train.rollout.multi_turn import multi_turn_rollout
 

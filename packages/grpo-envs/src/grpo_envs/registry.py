@@ -18,6 +18,7 @@ _REGISTRY: dict[str, type[Environment] | str] = {
     "reward_model": "grpo_envs.reward_model:RewardModelEnv",
     "number_guess": "grpo_envs.number_guess:NumberGuessEnv",
     "calculator": "grpo_envs.calculator_env:CalculatorEnv",
+    "code_interpreter": "grpo_envs.code_interpreter_env:CodeInterpreterEnv",
 }
 
 

@@ -159,7 +159,7 @@ class ToolEnv(Environment):
                     content = f"error: tool {call.name!r} timed out after {self.tool_timeout_s:g} s"
             meta["tool_errors"] += content.startswith("error:")
             messages.append({"role": TOOL_ROLE, "name": getattr(call, "name", None) or "error",
-                             "content": _cut(content, self.max_result_chars)})
+                             "content": truncate(content, self.max_result_chars)})
         meta["tool_time_s"] = time.perf_counter() - start
         return messages, meta
 
@@ -176,5 +176,6 @@ class ToolEnv(Environment):
             return f"error: tool {call.name!r} raised {type(exc).__name__}: {exc}", 0
 
 
-def _cut(text: str, limit: int) -> str:
+def truncate(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters, saying how many were cut."""
     return text if len(text) <= limit else text[:limit] + f"...[{len(text) - limit} more chars]"
