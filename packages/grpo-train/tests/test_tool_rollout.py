@@ -221,3 +221,44 @@ def test_finished_samples_do_not_wait_for_a_slow_tool(policy, per_sample):
 def test_per_sample_turns_needs_several_turns():
     with pytest.raises(ConfigError, match="grpo.per_sample_turns: true needs grpo.max_rollout_turns > 1"):
         validate_config_dict({"grpo": {"per_sample_turns": True}})
+
+
+class HalfToolPolicy(ScriptedPolicy):
+    """Of each prompt's samples, the even ones call the calculator (and then answer with its
+    result), the odd ones guess "7" at once."""
+
+    def _generate(self, prompts, sampling):
+        out = []
+        for i, prompt in enumerate(prompts):
+            text = self.tok.decode(prompt)
+            self.calls.append((time.monotonic(), text, sampling.stop_strings))
+            for j in range(sampling.n):
+                if "<tool_response>" in text or j % 2 == 0:
+                    out.append(self._answer_script(i, prompt, text, sampling))
+                else:
+                    ids = self.tok("The answer is 7", add_special_tokens=False)["input_ids"]
+                    out.append(GenerationResult(i, list(prompt), ids, [-0.5] * len(ids), "The answer is 7", "stop"))
+        return out
+
+    _answer_script = ScriptedPolicy._answer
+
+
+def test_validate_runs_the_multi_turn_rollout_with_accuracy_and_pass_at_k(policy):
+    from grpo_train.validation import validate
+
+    tok = char_tokenizer()
+    envs = {"calculator": EnvPool("calculator", {}, in_process=True)}
+    questions = {f"{a}+{b}=": str(int(a) + int(b)) for a, b in [(A, B), ("31415926535", "27182818284")]}
+    datums = [datum(tok, q, "calculator", gold) for q, gold in questions.items()]
+    gen = HalfToolPolicy(tok, {q: f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{q[:-1]}"}}}}'
+                                  "</tool_call>|" for q in questions})
+    spec = SamplingSpec(max_new_tokens=200)
+    # Greedy (one sample, the tool-calling one): over turns every prompt is solved; in one turn
+    # the tool call is all there is, and it is no answer.
+    metrics, _ = validate(gen, envs, datums, spec, 1, 8, max_turns=3, tokenizer=tok, max_total_len=2000)
+    assert metrics["accuracy"] == 1.0 and metrics["pass@1"] == 1.0 and metrics["turns_mean"] == 2.0
+    one_turn, _ = validate(gen, envs, datums, spec, 1, 8)
+    assert one_turn["accuracy"] == 0.0 and "turns_mean" not in one_turn
+    # Two samples per prompt: one solves it with the tool, one guesses wrong: accuracy 1/2, pass@2 1.
+    metrics, _ = validate(gen, envs, datums, spec, 2, 1, max_turns=3, tokenizer=tok, max_total_len=2000)
+    assert metrics["accuracy"] == 0.5 and metrics["pass@2"] == 1.0 and metrics["turns_mean"] == 1.5
