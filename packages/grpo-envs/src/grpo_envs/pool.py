@@ -175,7 +175,10 @@ class EnvPool:
     def tools(self) -> list[dict]:
         """The environment's tool schemas (:meth:`Environment.tools`), asked once and kept."""
         if self._tools is None:
-            self._tools = self._env.tools() if self.in_process else self._ray.get(self._actors[0].tools.remote())
+            if self._env is not None:
+                self._tools = self._env.tools()
+            else:
+                self._tools = self._ray.get(self._actors[0].tools.remote())
         return self._tools
 
     @property

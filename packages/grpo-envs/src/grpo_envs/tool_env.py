@@ -146,9 +146,9 @@ class ToolEnv(Environment):
         messages = []
         for call, future in zip(calls, futures):
             meta["calls"].append(call.name)
-            if isinstance(call, ToolCallError):
+            if future is None:  # a ToolCallError: the model wrote it wrong
                 meta["invalid_tool_calls"] += 1
-                content = f"error: {call.message}"
+                content = f"error: {getattr(call, 'message', 'invalid tool call')}"
             else:
                 remaining = max(0.0, start + self.tool_timeout_s - time.perf_counter())
                 try:

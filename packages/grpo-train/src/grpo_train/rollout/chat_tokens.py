@@ -18,6 +18,7 @@ Boundary: tokenizer in, ids out; no generation, no environments.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 _MARK = "QZXJMARK"
 _BASE = [{"role": "user", "content": "QZXJU"}, {"role": "assistant", "content": _MARK}]
@@ -27,7 +28,7 @@ _BASE = [{"role": "user", "content": "QZXJU"}, {"role": "assistant", "content": 
 class ChatTokens:
     """How one tokenizer's chat template turns messages into ids between turns."""
 
-    tokenizer: object
+    tokenizer: Any
     end_of_turn_id: int | None
     """The special token that closes an assistant turn in this template (None: the template has none)."""
     _prefix: str = ""
@@ -55,8 +56,10 @@ class ChatTokens:
             raise ValueError("the chat template renders the earlier turns differently after these messages; "
                              "cannot append them without re-tokenising")
         ids = self.tokenizer(text[len(self._prefix):], add_special_tokens=False)["input_ids"]
-        closed = self.end_of_turn_id is None or (generated_ids and generated_ids[-1] == self.end_of_turn_id)
-        return ids if closed else [self.end_of_turn_id, *ids]
+        end = self.end_of_turn_id
+        if end is None or (generated_ids and generated_ids[-1] == end):
+            return list(ids)
+        return [end, *ids]
 
     def fresh_ids(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
         """The whole conversation rendered at once (the reference the carried ids are measured against)."""

@@ -97,7 +97,7 @@ class _TurnRunner:
         convs = []
         for p, d in enumerate(datums):
             pool = self.envs.get(d.env_name)
-            tools = list(pool.tools()) if hasattr(pool, "tools") else []
+            tools = list(pool.tools()) if pool is not None and hasattr(pool, "tools") else []
             messages = prompt_messages(d)
             ids = self.chat.prompt_ids(messages, tools) if tools else d.token_ids.tolist()
             convs += [_Conversation(d, p, list(ids), list(messages), tools) for _ in range(self.sampling.n)]
@@ -143,7 +143,7 @@ class _TurnRunner:
             conv.metadata = meta
             conv.stop_strings = tuple(stop) if stop is not None else None
             conv.done = done or obs is None or conv.turns >= self.max_turns
-            if not conv.done:
+            if not conv.done and obs is not None:
                 self._observe(conv, obs if isinstance(obs, list) else [obs])
         with self._lock:
             self.metrics.add(env.metrics, len(convs))
