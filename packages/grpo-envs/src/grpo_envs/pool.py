@@ -174,12 +174,11 @@ class EnvPool:
 
     def tools(self) -> list[dict]:
         """The environment's tool schemas (:meth:`Environment.tools`), asked once and kept."""
-        if self._tools is None:
-            if self._env is not None:
-                self._tools = self._env.tools()
-            else:
-                self._tools = self._ray.get(self._actors[0].tools.remote())
-        return self._tools
+        tools = self._tools
+        if tools is None:
+            tools = self._env.tools() if self._env is not None else self._ray.get(self._actors[0].tools.remote())
+            self._tools = tools
+        return list(tools)
 
     @property
     def count_metrics(self) -> frozenset[str]:
