@@ -27,19 +27,23 @@ class EnvOutput:
     """The result of one ``step`` over a batch of B samples; every list has length B."""
 
     rewards: list[float]
-    observations: list[dict | None]
-    """Next message for a multi-turn environment, e.g. ``{"role": "environment", "content": ...}``;
-    None where the environment has nothing to say."""
+    observations: list[dict | list[dict] | None]
+    """Next message for a multi-turn environment, e.g. ``{"role": "environment", "content": ...}``,
+    or a list of messages (one ``{"role": "tool", ...}`` message per tool call of the turn); None
+    where the environment has nothing to say."""
     terminateds: list[bool]
     metadata: list[dict]
     """Per-sample facts for logging (extracted answer, status, ...); JSON-serialisable."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Batch-level metrics (see the module docstring for how chunks are merged)."""
+    stop_strings: list[tuple[str, ...] | None] | None = None
+    """Stop strings of each sample's next turn (e.g. ``("</tool_call>",)``); None, for the whole
+    batch or for one sample, keeps the sampling settings' own."""
 
     def __post_init__(self) -> None:
         n = len(self.rewards)
-        for name in ("observations", "terminateds", "metadata"):
-            if len(getattr(self, name)) != n:
+        for name in ("observations", "terminateds", "metadata", "stop_strings"):
+            if getattr(self, name) is not None and len(getattr(self, name)) != n:
                 raise ValueError(
                     f"EnvOutput.{name} has {len(getattr(self, name))} entries but rewards has {n}"
                 )
@@ -56,6 +60,8 @@ class EnvOutput:
             terminateds=[t for p in parts for t in p.terminateds],
             metadata=[m for p in parts for m in p.metadata],
             metrics=metrics,
+            stop_strings=None if all(p.stop_strings is None for p in parts)
+            else [s for p in parts for s in (p.stop_strings or [None] * len(p))],
         )
 
 
@@ -68,6 +74,12 @@ class Environment(abc.ABC):
     @abc.abstractmethod
     def step(self, message_logs: list[MessageLog], env_infos: list[dict]) -> EnvOutput:
         """Score a batch: ``message_logs[i]`` is sample i's conversation, ``env_infos[i]`` its info."""
+
+    def tools(self) -> list[dict]:
+        """Tool schemas the model may call, in the OpenAI / HF chat-template ``tools=`` form
+        (``{"type": "function", "function": {"name", "description", "parameters"}}``); the
+        rollout renders them into the prompt through the tokenizer's chat template. None by default."""
+        return []
 
     def global_post_process_and_metrics(self, batch_metadata: list[dict]) -> dict[str, float]:
         """Metrics over a whole global batch (all chunks, all turns); none by default."""

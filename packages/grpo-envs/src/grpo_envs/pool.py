@@ -93,6 +93,9 @@ class _EnvActor:
     def global_post_process_and_metrics(self, batch_metadata: list[dict]) -> dict[str, float]:
         return self.env.global_post_process_and_metrics(batch_metadata)
 
+    def tools(self) -> list[dict]:
+        return self.env.tools()
+
     def close(self) -> None:
         self.env.close()
 
@@ -140,6 +143,8 @@ class EnvPool:
         self.max_restarts_per_step = max_restarts_per_step
         self.ready_timeout_s = ready_timeout_s
         self.total_restarts = 0
+        self._tools: list[dict] | None = None
+        self._next_worker = 0
         self._env: Environment | None = None
         self._actors: list[Any] = []
         if in_process:
@@ -166,6 +171,19 @@ class EnvPool:
             out.metrics.update({RESTARTS: 0.0, CRASHED_SAMPLES: 0.0, SAMPLE_ERRORS: float(errors)})
             return out
         return self._step_on_actors(message_logs, env_infos)
+
+    def tools(self) -> list[dict]:
+        """The environment's tool schemas (:meth:`Environment.tools`), asked once and kept."""
+        tools = self._tools
+        if tools is None:
+            tools = self._env.tools() if self._env is not None else self._ray.get(self._actors[0].tools.remote())
+            self._tools = tools
+        return list(tools)
+
+    @property
+    def count_metrics(self) -> frozenset[str]:
+        """Names of this pool's step metrics that count events (summed, not averaged, over steps)."""
+        return self.env_cls.COUNT_METRICS | {RESTARTS, CRASHED_SAMPLES, SAMPLE_ERRORS}
 
     def global_post_process_and_metrics(self, batch_metadata: list[dict]) -> dict[str, float]:
         if self.in_process:
@@ -233,12 +251,19 @@ class EnvPool:
         bounds = _split(len(message_logs), self.num_workers)
         chunks = [_Chunk(start, stop) for start, stop in bounds]
         counts = {RESTARTS: 0, CRASHED_SAMPLES: 0, SAMPLE_ERRORS: 0}
-        in_flight: dict[Any, tuple[int, int, int, float]] = {}  # ref -> (worker, start, stop, t0)
+        in_flight: dict[Any, tuple[int, int, int, float]] = {}  # ref -> (chunk, start, stop, t0)
+        # Chunk k runs on actor (offset + k): batches smaller than the pool (one conversation's turn,
+        # stepped on its own by the per-sample multi-turn rollout) take turns over the actors.
+        offset = self._next_worker
+        self._next_worker = (offset + len(chunks)) % self.num_workers
+
+        def actor_of(worker: int) -> int:
+            return (offset + worker) % self.num_workers
 
         def submit(worker: int) -> None:
             chunk = chunks[worker]
             start, stop = (chunk.singles[0], chunk.singles[0] + 1) if chunk.singles else (chunk.start, chunk.stop)
-            ref = self._actors[worker].step.remote(message_logs[start:stop], env_infos[start:stop])
+            ref = self._actors[actor_of(worker)].step.remote(message_logs[start:stop], env_infos[start:stop])
             in_flight[ref] = (worker, start, stop, time.monotonic())
 
         for worker in range(len(chunks)):
@@ -251,7 +276,7 @@ class EnvPool:
                     continue
                 worker, start, stop, _ = in_flight.pop(ref)
                 log.warning("EnvPool(%r): worker %d overran step_timeout_s=%s", self.name, worker, self.step_timeout_s)
-                self._on_crash(chunks[worker], worker, start, stop, "timeout", counts)
+                self._on_crash(chunks[worker], actor_of(worker), start, stop, "timeout", counts)
             else:
                 ref = ready[0]
                 worker, start, stop, _ = in_flight.pop(ref)
@@ -264,7 +289,7 @@ class EnvPool:
                         chunk.singles.pop(0)
                 except self._ray.exceptions.RayActorError as exc:
                     log.warning("EnvPool(%r): worker %d died: %s", self.name, worker, exc)
-                    self._on_crash(chunk, worker, start, stop, str(exc), counts)
+                    self._on_crash(chunk, actor_of(worker), start, stop, str(exc), counts)
             if not any(w == worker for w, *_ in in_flight.values()) and self._unfinished(chunks[worker]):
                 submit(worker)
         parts = [chunk.outputs[k] for chunk in chunks for k in sorted(chunk.outputs)]

@@ -17,6 +17,8 @@ _REGISTRY: dict[str, type[Environment] | str] = {
     "code": "grpo_envs.code_env:CodeEnv",
     "reward_model": "grpo_envs.reward_model:RewardModelEnv",
     "number_guess": "grpo_envs.number_guess:NumberGuessEnv",
+    "calculator": "grpo_envs.calculator_env:CalculatorEnv",
+    "code_interpreter": "grpo_envs.code_interpreter_env:CodeInterpreterEnv",
 }
 
 

@@ -173,7 +173,7 @@ def evaluate(cfg: GRPOMasterConfig, raw: dict, checkpoint: str | None = None) ->
     from grpo_train.setup import actor_env_vars, build_components, init_ray, resolve_model_path
     from grpo_train.state_io import verify_manifest
     from grpo_train.step import sampling_spec
-    from grpo_train.validation import validate
+    from grpo_train.validation import validate, validation_turns
 
     try:
         model_path = str(Path(checkpoint) / "policy" / "model") if checkpoint else resolve_model_path(cfg.policy.model_name)
@@ -188,7 +188,7 @@ def evaluate(cfg: GRPOMasterConfig, raw: dict, checkpoint: str | None = None) ->
         return EXIT_STARTUP
     try:
         metrics, _ = validate(parts.generator, parts.envs, parts.val_datums, sampling_spec(cfg),
-                              cfg.grpo.val_num_generations, cfg.grpo.val_batch_size)
+                              cfg.grpo.val_num_generations, cfg.grpo.val_batch_size, **validation_turns(cfg, parts))
         print(json.dumps(metrics, indent=2))
         return EXIT_OK
     finally:

@@ -29,7 +29,7 @@ from grpo_train.rollout import rollout_batch
 from grpo_train.rollout.dynamic_sampling import fill_with_signal
 from grpo_train.run_state import TrainerState, save_checkpoint
 from grpo_train.train_step import add_logprobs, prepare_batch, push_weights
-from grpo_train.validation import validate
+from grpo_train.validation import validate, validation_turns
 
 # Distinct seeds per step so a resumed run samples exactly what the uninterrupted run sampled.
 _STEP_SEED_STRIDE = 1_000_003
@@ -139,7 +139,7 @@ def run_validation(cfg: GRPOMasterConfig, parts, logger, step: int,
 
     def attempt():
         return validate(parts.generator, parts.envs, parts.val_datums, sampling_spec(cfg),
-                        cfg.grpo.val_num_generations, cfg.grpo.val_batch_size)
+                        cfg.grpo.val_num_generations, cfg.grpo.val_batch_size, **validation_turns(cfg, parts))
 
     metrics, samples = attempt() if engines is None else engines.retry("validation", attempt)
     logger.log(metrics, step, split="val")

@@ -1,4 +1,9 @@
-"""Validation: greedy accuracy (and pass@k with sampling) on the validation prompts."""
+"""Validation: greedy accuracy (and pass@k with sampling) on the validation prompts.
+
+With `max_turns` > 1 validation runs the same multi-turn rollout as training (tool calls, tool
+results, per-turn stop strings), in lockstep so that greedy validation is reproducible; a
+sample's reward is that of its whole conversation.
+"""
 
 from __future__ import annotations
 
@@ -6,21 +11,31 @@ from dataclasses import replace
 
 from grpo_train.generation.base import SamplingSpec
 from grpo_train.rollout import rollout
+from grpo_train.rollout.multi_turn import multi_turn_rollout
 
 
-def validate(generator, envs: dict, datums: list, sampling: SamplingSpec, num_generations: int, batch_size: int) -> tuple[dict[str, float], list[dict]]:
+def validate(generator, envs: dict, datums: list, sampling: SamplingSpec, num_generations: int, batch_size: int,
+             *, max_turns: int = 1, tokenizer=None, max_total_len: int | None = None,
+             ) -> tuple[dict[str, float], list[dict]]:
     """Metrics over the validation set and a few samples to print.
 
     With one generation per prompt decoding is greedy and accuracy = pass@1. With k > 1
     samples per prompt (at the training temperature), pass@k = fraction of prompts with at
-    least one correct (reward > 0) sample, and accuracy = mean reward.
+    least one correct (reward > 0) sample, and accuracy = mean reward. `max_turns` > 1 (with
+    the tokenizer and the context length) validates over turns; `turns_mean` is then reported.
     """
     spec = replace(sampling, n=num_generations, greedy=num_generations == 1)
-    rewards, lengths, samples = [], [], []
+    if max_turns > 1 and (tokenizer is None or max_total_len is None):
+        raise ValueError("validate: max_turns > 1 needs the tokenizer and max_total_len")
+    rewards, lengths, samples, turns = [], [], [], []
     solved = 0
     for start in range(0, len(datums), batch_size):
         chunk = datums[start : start + batch_size]
-        result = rollout(generator, envs, chunk, spec)
+        if max_turns > 1:
+            result = multi_turn_rollout(generator, envs, chunk, spec, tokenizer, max_turns, max_total_len or 0)
+        else:
+            result = rollout(generator, envs, chunk, spec)
+        turns.extend(r.turns for r in result.rollouts)
         for p in range(len(chunk)):
             group = result.rollouts[p * num_generations : (p + 1) * num_generations]
             solved += any(r.reward > 0 for r in group)
@@ -36,4 +51,12 @@ def validate(generator, envs: dict, datums: list, sampling: SamplingSpec, num_ge
         "response_length": sum(lengths) / max(len(lengths), 1),
         "num_prompts": float(len(datums)),
     }
+    if max_turns > 1:
+        metrics["turns_mean"] = sum(turns) / max(len(turns), 1)
     return metrics, samples
+
+
+def validation_turns(cfg, parts) -> dict:
+    """The multi-turn keywords of `validate` for a run: as many turns as training rolls out."""
+    return {"max_turns": cfg.grpo.max_rollout_turns, "tokenizer": parts.tokenizer,
+            "max_total_len": cfg.policy.max_total_sequence_length}

@@ -147,6 +147,10 @@ class GRPOConfig(Section):
     """Samples per prompt: the group size of the group-relative baseline."""
     max_rollout_turns: int = Field(1, ge=1)
     """Turns of generation/environment interaction per sample (multi-turn when > 1)."""
+    per_sample_turns: bool = False
+    """Multi-turn only: each conversation starts its next turn as soon as its own environment has
+    answered (a slow tool call holds back only its sample) instead of all turns in lockstep; the
+    generation batches then depend on timing, so runs are not bitwise reproducible."""
     max_num_epochs: int = Field(1, ge=1)
     """Passes over the training data."""
     max_num_steps: int = Field(1_000_000, ge=1)
@@ -191,6 +195,13 @@ class GRPOConfig(Section):
     async_grpo: AsyncGRPOConfig = AsyncGRPOConfig()
     refit_check: RefitCheckConfig = RefitCheckConfig()
     adv_estimator: GroupAdvEstimatorConfig = GroupAdvEstimatorConfig()
+
+    @model_validator(mode="after")
+    def _per_sample_turns(self) -> GRPOConfig:
+        if self.per_sample_turns and self.max_rollout_turns == 1:
+            raise ValueError("grpo.per_sample_turns: true needs grpo.max_rollout_turns > 1 (one turn has no later "
+                             "turns to schedule); remove it or raise max_rollout_turns")
+        return self
 
     @model_validator(mode="after")
     def _clips(self) -> GRPOConfig:

@@ -19,5 +19,6 @@ def rollout_batch(cfg, parts, datums: list, sampling: SamplingSpec) -> RolloutRe
     if cfg.grpo.max_rollout_turns > 1:
         return multi_turn_rollout(parts.generator, parts.envs, datums, sampling, parts.tokenizer,
                                   cfg.grpo.max_rollout_turns, cfg.policy.max_total_sequence_length,
-                                  chunk_size=cfg.policy.generation_batch_size)
+                                  chunk_size=cfg.policy.generation_batch_size,
+                                  per_sample=cfg.grpo.per_sample_turns)
     return rollout(parts.generator, parts.envs, datums, sampling, chunk_size=cfg.policy.generation_batch_size)

@@ -35,10 +35,12 @@ class EnvStep:
     """Environment answers for a batch of conversations, in the order they were given."""
 
     rewards: list[float]
-    observations: list[dict | None]
+    observations: list[dict | list[dict] | None]
     terminateds: list[bool]
     metadata: list[dict]
     metrics: dict[str, float]
+    stop_strings: list[tuple[str, ...] | None]
+    """Each conversation's next-turn stop strings from its environment (None: the sampling settings')."""
 
 
 def step_environments(envs: dict, datums: list, message_logs: list[list[dict]]) -> EnvStep:
@@ -47,7 +49,7 @@ def step_environments(envs: dict, datums: list, message_logs: list[list[dict]]) 
     for i, datum in enumerate(datums):
         by_env[datum.env_name].append(i)
     n = len(datums)
-    step = EnvStep([0.0] * n, [None] * n, [True] * n, [{} for _ in range(n)], {})
+    step = EnvStep([0.0] * n, [None] * n, [True] * n, [{} for _ in range(n)], {}, [None] * n)
     for env_name, rows in by_env.items():
         if env_name not in envs:
             raise KeyError(f"data routes samples to environment {env_name!r}, but env has only {sorted(envs)}")
@@ -57,6 +59,7 @@ def step_environments(envs: dict, datums: list, message_logs: list[list[dict]]) 
             step.observations[i] = out.observations[j]
             step.terminateds[i] = bool(out.terminateds[j])
             step.metadata[i] = out.metadata[j]
+            step.stop_strings[i] = out.stop_strings[j] if out.stop_strings is not None else None
         step.metrics.update({f"env/{env_name}/{k}": v for k, v in out.metrics.items()})
     return step
 
