@@ -12,6 +12,7 @@ dummy parameter and takes a step, so this module imports torch (only inside that
 from __future__ import annotations
 
 import inspect
+import os
 import warnings
 from typing import Any
 
@@ -19,7 +20,14 @@ from pydantic import ConfigDict, ValidationError, create_model
 
 from grpo_train.config import _is_union_label
 from grpo_train.config.errors import ConfigError
-from grpo_train.config.schema import DatasetConfig, GRPOMasterConfig, OptimizerConfig, SchedulerEntry
+from grpo_train.config.schema import (
+    ENV_RESOURCE_NAMES,
+    DatasetConfig,
+    EnvConfig,
+    GRPOMasterConfig,
+    OptimizerConfig,
+    SchedulerEntry,
+)
 from grpo_train.generation.base import SCORE_RESERVE  # positions the engines keep free for scoring
 
 
@@ -81,16 +89,24 @@ def check_lengths(cfg: GRPOMasterConfig) -> None:
 
 
 # --------------------------------------------------------------------------- environments
+def env_import_paths() -> list[str]:
+    """Where `env.<name>.class` / `reward_fn` modules are found besides PYTHONPATH: the directory
+    `grpo train` runs from (as `python -m` finds modules there); env actors search it too."""
+    return [os.getcwd()]
+
+
 def check_envs(cfg: GRPOMasterConfig) -> None:
-    """Each `env.<name>` is a registered environment and its settings fit its constructor."""
+    """Each `env.<name>` is a registered environment, or names an importable Environment class or
+    reward function; its settings fit the class's constructor; its resources exist."""
     from grpo_envs import registry
 
     for name, env_cfg in cfg.env.items():
-        try:
-            cls = registry.get(name)
-        except KeyError:
-            raise ConfigError(f"unknown environment; registered: {', '.join(registry.names())}", key=f"env.{name}") from None
+        _check_env_resources(cfg, name, env_cfg.resources)
+        with registry.import_paths(env_import_paths()):
+            cls = _env_class(name, env_cfg)
         settings = dict(env_cfg.model_extra or {})
+        if env_cfg.reward_fn is not None:
+            continue  # RewardFnEnv takes only the function, checked by _env_class
         try:
             _constructor_model(cls).model_validate(settings)
         except ValidationError as exc:
@@ -100,6 +116,41 @@ def check_envs(cfg: GRPOMasterConfig) -> None:
             accepted = ", ".join(sorted(_constructor_model(cls).model_fields))
             raise ConfigError(f"{msg} (environment {name!r} takes: {accepted or 'no settings'})",
                               key=f"env.{name}.{loc}" if loc else f"env.{name}") from None
+
+
+def _env_class(name: str, env_cfg: EnvConfig) -> type:
+    """The class `env.<name>` runs, imported here so that a bad path fails before any actor starts."""
+    from grpo_envs import registry
+
+    if env_cfg.class_ is not None:
+        key = f"env.{name}.class"
+        try:
+            return registry.load_env_class(env_cfg.class_)
+        except (ImportError, AttributeError, TypeError) as exc:
+            raise ConfigError(f"{exc} (modules are found on PYTHONPATH and in {os.getcwd()})", key=key) from None
+    if env_cfg.reward_fn is not None:
+        from grpo_envs.reward_fn import RewardFnEnv, reward_fn_arity
+
+        key = f"env.{name}.reward_fn"
+        try:
+            reward_fn_arity(registry.load_object(env_cfg.reward_fn), env_cfg.reward_fn)
+        except (ImportError, AttributeError, TypeError) as exc:
+            raise ConfigError(f"{exc} (modules are found on PYTHONPATH and in {os.getcwd()})", key=key) from None
+        return RewardFnEnv
+    try:
+        return registry.get(name)
+    except KeyError:
+        raise ConfigError(f"unknown environment; registered: {', '.join(registry.names())} (or give "
+                          f"env.{name}.class / env.{name}.reward_fn)", key=f"env.{name}") from None
+
+
+def _check_env_resources(cfg: GRPOMasterConfig, name: str, resources: dict[str, float] | None) -> None:
+    """A local Ray has CPUs and GPUs only: an actor asking for a custom resource would never start."""
+    custom = sorted(set(resources or {}) - set(ENV_RESOURCE_NAMES))
+    if custom and cfg.cluster.address is None:
+        raise ConfigError(f"unknown resource(s) {', '.join(custom)}; a local Ray has only {', '.join(ENV_RESOURCE_NAMES)} "
+                          f"(custom Ray resources need a cluster started with them: cluster.address)",
+                          key=f"env.{name}.resources")
 
 
 def _constructor_model(cls: type) -> type:
