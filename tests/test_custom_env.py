@@ -170,16 +170,20 @@ def test_custom_env_and_reward_fn_train_through_grpo_train(tmp_path):
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     train_rows = [r for r in rows if r["split"] == "train"]
     assert [r["step"] for r in train_rows] == [1, 2]
-    # the reward function ran once per sample routed to it, and only it gives -1
-    logged = [json.loads(x) for x in calls.read_text().splitlines()]
-    scored = sum(r["env/scored/reward_fn_calls"] for r in train_rows)
-    assert len(logged) == scored and 0 < scored < 2 * 64
-    assert {x["reward"] for x in logged} <= {1.0, -1.0} and -1.0 in {x["reward"] for x in logged}
-    # the custom class ran on the rest and logged its own metrics
-    assert all("env/near/off_by_one" in r and "env/near/exact" in r for r in train_rows)
-    assert sum(r["env/near/off_by_one"] for r in train_rows) >= 0
-    for row in train_rows:  # every reward is one only these two could give: mean within their range
-        assert -1.0 <= row["reward_mean"] <= 1.0
+    # the reward function ran once per sample routed to it (the calls log), and only it gives -1
+    logged = [json.loads(x)["reward"] for x in calls.read_text().splitlines()]
+    counts = [int(r["env/scored/reward_fn_calls"]) for r in train_rows]
+    assert len(logged) == sum(counts) and all(0 < c < 64 for c in counts) and -1.0 in logged
+    # each step's reward_mean is made of exactly these two sources: the function's logged rewards
+    # and the class's 1 (exact) / 0.25 (off by one) / 0, rebuilt from the class's own metrics
+    start = 0
+    for row, n_scored in zip(train_rows, counts, strict=True):
+        scored = logged[start:start + n_scored]
+        start += n_scored
+        n_near = 64 - n_scored
+        exact, off = row["env/near/exact"] * n_near, row["env/near/off_by_one"]
+        assert row["reward_mean"] == pytest.approx((sum(scored) + exact + 0.25 * off) / 64, abs=1e-5)
+        assert row["accuracy"] == pytest.approx((scored.count(1.0) + exact + off) / 64, abs=1e-5)
 
 
 # ---------------------------------------------------------------------------- README

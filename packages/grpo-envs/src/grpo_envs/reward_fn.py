@@ -20,7 +20,7 @@ import math
 import numbers
 from collections.abc import Callable
 
-from grpo_envs.base import EnvOutput, Environment, MessageLog, response_text, single_turn_output
+from grpo_envs.base import Environment, EnvOutput, MessageLog, response_text, single_turn_output
 from grpo_envs.registry import load_object
 
 CALLS = "reward_fn_calls"

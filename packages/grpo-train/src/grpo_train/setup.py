@@ -222,7 +222,6 @@ class Components:
 def build_envs(cfg: GRPOMasterConfig) -> dict:
     """env name -> EnvPool of Ray actors (the async collector calls the same actors)."""
     from grpo_envs.pool import EnvPool
-
     from grpo_train.config.checks import env_import_paths
 
     pools = {}
