@@ -69,6 +69,17 @@ def test_bad_custom_env_is_one_line_naming_the_key(tmp_path, monkeypatch, capsys
     assert message in err, err
 
 
+def test_unresolvable_annotations_still_check_setting_names(tmp_path, monkeypatch, capsys):
+    from grpo_cli.main import main
+
+    monkeypatch.syspath_prepend(str(FIXTURES))
+    assert main(["config", "validate", str(_config(tmp_path, {"x": {"class": "my_env:CheckerOnlyAnnotations",
+                                                                      "partial": 0.5}}))]) == 0
+    bad = _config(tmp_path, {"x": {"class": "my_env:CheckerOnlyAnnotations", "partal": 0.5}})
+    assert main(["config", "validate", str(bad)]) == 2
+    assert f"{bad}: env.x.partal: unknown key (environment 'x' takes: partial)" in capsys.readouterr().err
+
+
 def test_train_refuses_a_bad_class_before_any_actor_starts(tmp_path):
     """The real CLI process: exit 2, one line, and no Ray started (no session folder written)."""
     path = _config(tmp_path, {"x": {"class": "my_env:NotAnEnv"}})

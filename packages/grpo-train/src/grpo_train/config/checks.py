@@ -159,12 +159,16 @@ def _constructor_model(cls: type) -> type:
     extra = "forbid"
     params = []  # a class without its own __init__ takes no settings
     if cls.__init__ is not object.__init__:
-        params = list(inspect.signature(cls.__init__, eval_str=True).parameters.values())[1:]
+        try:
+            signature = inspect.signature(cls.__init__, eval_str=True)
+        except Exception:  # noqa: BLE001 - a user's annotation that only a type checker resolves: check names only
+            signature = inspect.signature(cls.__init__)
+        params = list(signature.parameters.values())[1:]
     for param in params:
         if param.kind is param.VAR_KEYWORD:
             extra = "allow"
         elif param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY):
-            annotation = Any if param.annotation is param.empty else param.annotation
+            annotation = Any if param.annotation is param.empty or isinstance(param.annotation, str) else param.annotation
             fields[param.name] = (annotation, ... if param.default is param.empty else param.default)
     # strict: the environment receives these very values, so "2" is not a number here
     config = ConfigDict(extra=extra, arbitrary_types_allowed=True, strict=True)
