@@ -93,65 +93,63 @@ def test_train_refuses_a_bad_class_before_any_actor_starts(tmp_path):
 
 
 # ------------------------------------------------------------- Ray: GPUs and step budget
-POOL_DRIVER = r"""
-import json, sys
+GPU_DRIVER = r"""
+import json
 import ray
 from grpo_train.config import validate_config_dict
 from grpo_train.config.checks import check_envs
 from grpo_train.setup import actor_env_vars, build_envs
 
-cfg = validate_config_dict({"env": {
-    "probe": {"class": "my_env:GpuProbeEnv", "num_workers": 2, "resources": {"GPU": 1}},
-    "slow": {"class": "my_env:SlowEnv", "step_timeout_s": 1.0, "delay_s": 600},
-    "scored": {"reward_fn": "my_rewards:score"},
-}})
+cfg = validate_config_dict({"env": {"probe": {"class": "my_env:GpuProbeEnv", "num_workers": 2, "resources": {"GPU": 1}}}})
 check_envs(cfg)
-ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
          runtime_env={"env_vars": actor_env_vars()})
-pools = build_envs(cfg)
-log = lambda *texts: [[{"role": "user", "content": "q"}, {"role": "assistant", "content": t}] for t in texts]
-probe = pools["probe"].step(log("a", "b"), [{}, {}])
-first = pools["slow"].step(log("fast", "slow"), [{}, {}])
-after = pools["slow"].step(log("fast"), [{}])
-scored = pools["scored"].step(log("46", "7"), [{"ground_truth": "46"}, {"ground_truth": "8"}])
-for pool in pools.values():
-    pool.shutdown()
-print("POOLS " + json.dumps({"probe": probe.metadata, "slow": [first.rewards, first.metrics, after.rewards],
-                             "scored": [scored.rewards, scored.metrics]}))
+pool = build_envs(cfg)["probe"]
+log = [[{"role": "user", "content": "q"}, {"role": "assistant", "content": t}] for t in ("a", "b")]
+print("PROBE " + json.dumps(pool.step(log, [{}, {}]).metadata))
+pool.shutdown()
 """
 
 
-@pytest.fixture(scope="module")
-def pool_runs(tmp_path_factory):
-    """One Ray with two logical GPUs, custom envs from a config through setup.build_envs."""
-    calls = tmp_path_factory.mktemp("calls") / "calls.jsonl"
-    result = subprocess.run([sys.executable, "-c", POOL_DRIVER], capture_output=True, text=True, timeout=600,
-                            cwd=tmp_path_factory.mktemp("driver"), env=_env_with_fixtures(MY_REWARDS_LOG=str(calls)))
+def test_resources_give_each_env_actor_its_own_gpu(tmp_path):
+    """A Ray of two logical GPUs (its own: the session's has none); the class found on PYTHONPATH."""
+    result = subprocess.run([sys.executable, "-c", GPU_DRIVER], capture_output=True, text=True, timeout=600,
+                            cwd=tmp_path, env=_env_with_fixtures())
     assert result.returncode == 0, result.stderr[-4000:]
-    line = next(x for x in result.stdout.splitlines() if x.startswith("POOLS "))
-    return json.loads(line[len("POOLS "):]), calls
-
-
-def test_resources_give_each_env_actor_its_own_gpu(pool_runs):
-    probe = pool_runs[0]["probe"]
+    probe = json.loads(next(x for x in result.stdout.splitlines() if x.startswith("PROBE "))[len("PROBE "):])
     assert len({m["pid"] for m in probe}) == 2  # two workers, one sample each
     gpus = [m["gpu_ids"] for m in probe]
     assert all(len(g) == 1 for g in gpus) and sorted(g[0] for g in gpus) == ["0", "1"]
     assert [m["cuda_visible"] for m in probe] == [g[0] for g in gpus]  # Ray hands the device to CUDA
 
 
-def test_step_timeout_gives_reward_zero_and_a_metric_and_goes_on(pool_runs):
-    rewards, metrics, after = pool_runs[0]["slow"]
-    assert rewards == [1.0, 0.0]  # only the slow sample loses its reward
-    assert metrics["env/step_timeouts"] == 3.0  # the chunk twice, then the slow sample alone
-    assert metrics["env/crashed_samples"] == 1.0 and metrics["env/actor_restarts"] == 3.0
-    assert after == [1.0]
+def test_step_timeout_and_reward_fn_from_config_in_env_actors(ray_session, monkeypatch):
+    """Run from the fixtures' folder, as a user runs grpo next to their modules: the actors import
+    the class and the function from the run directory. A step past step_timeout_s scores 0, is
+    counted, and the pool goes on."""
+    from grpo_train.config import validate_config_dict
+    from grpo_train.setup import build_envs
+
+    monkeypatch.chdir(FIXTURES)
+    cfg = validate_config_dict({"env": {"slow": {"class": "my_env:SlowEnv", "step_timeout_s": 1.0, "delay_s": 600},
+                                        "scored": {"reward_fn": "my_rewards:score"}}})
+    pools = build_envs(cfg)
+    try:
+        first = pools["slow"].step(_logs("fast", "slow"), [{}, {}])
+        after = pools["slow"].step(_logs("fast"), [{}])
+        scored = pools["scored"].step(_logs("46", "7"), [{"ground_truth": "46"}, {"ground_truth": "8"}])
+    finally:
+        for pool in pools.values():
+            pool.shutdown()
+    assert first.rewards == [1.0, 0.0]  # only the slow sample loses its reward
+    assert first.metrics["env/step_timeouts"] == 3.0  # the chunk twice, then the slow sample alone
+    assert first.metrics["env/crashed_samples"] == 1.0 and first.metrics["env/actor_restarts"] == 3.0
+    assert after.rewards == [1.0]
+    assert scored.rewards == [1.0, -1.0] and scored.metrics["reward_fn_calls"] == 2.0  # -1: only my_rewards.score
 
 
-def test_reward_fn_runs_in_the_pool_actor(pool_runs):
-    (rewards, metrics), calls = pool_runs[0]["scored"], pool_runs[1]
-    assert rewards == [1.0, -1.0] and metrics["reward_fn_calls"] == 2.0
-    assert [json.loads(x)["ground_truth"] for x in calls.read_text().splitlines()] == ["46", "8"]
+def _logs(*texts: str) -> list[list[dict]]:
+    return [[{"role": "user", "content": "q"}, {"role": "assistant", "content": t}] for t in texts]
 
 
 # ------------------------------------------------------------------------ grpo train
