@@ -159,8 +159,11 @@ def test_hung_worker_is_replaced(ray_env):
         t0 = time.monotonic()
         out = pool.step(logs, infos)
         assert time.monotonic() - t0 < 30
+        assert pool.step(*_batch(["7"], [7])).rewards == [7.0]  # the run goes on with a fresh worker
     assert out.rewards == [1.0, 0.0]
     assert out.metrics["env/crashed_samples"] == 1.0
+    # the chunk overran twice, then its samples one at a time: only "HANG" overran again
+    assert out.metrics["env/step_timeouts"] == 3.0
 
 
 def test_give_up_when_workers_cannot_survive(ray_env):
@@ -182,3 +185,26 @@ def test_needs_ray_init_or_in_process():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode != 0
     assert "call ray.init() before creating the pool" in out.stderr
+
+
+def test_env_class_by_import_path_is_imported_in_the_actor(ray_env, tmp_path):
+    """The class lives in a folder the actor knows only through import_paths: it is imported
+    there by name, not pickled from the driver."""
+    (tmp_path / "pool_user_env.py").write_text(
+        "import os, sys\n"
+        "from grpo_envs.base import Environment, single_turn_output\n"
+        "class Where(Environment):\n"
+        "    def __init__(self, bonus: float = 0.0):\n"
+        "        self.bonus = bonus\n"
+        "    def step(self, logs, infos):\n"
+        "        return single_turn_output([1.0 + self.bonus] * len(logs),\n"
+        "                                  [{'pid': os.getpid(), 'path0': sys.path[0]} for _ in logs], {})\n")
+    try:
+        with EnvPool("where", {"bonus": 0.5}, num_workers=1, env_class="pool_user_env:Where",
+                     import_paths=[str(tmp_path)]) as pool:
+            out = pool.step(*_batch(["a", "b"], [0, 0]))
+    finally:
+        sys.modules.pop("pool_user_env", None)
+    assert out.rewards == [1.5, 1.5]
+    assert out.metadata[0]["pid"] != os.getpid() and out.metadata[0]["path0"] == str(tmp_path)
+    assert str(tmp_path) not in sys.path

@@ -200,6 +200,8 @@ TABLE = {
     "env.<name>.resources": T("packages/grpo-cli/tests/test_plan.py::test_separate_async_engine_and_reward_model_get_gpus_on_two_nodes"),
     "env.<name>.num_workers": R("grpo_train/setup.py"),
     "env.<name>.step_timeout_s": T("packages/grpo-train/tests/test_env_step_budget.py::test_step_timeout_from_config_reaches_the_pool"),
+    "env.<name>.class": T("tests/test_custom_env.py::test_custom_env_and_reward_fn_train_through_grpo_train"),
+    "env.<name>.reward_fn": T("tests/test_custom_env.py::test_custom_env_and_reward_fn_train_through_grpo_train"),
     "logger.log_dir": R("grpo_cli/main.py"),
     "logger.console_enabled": R("grpo_train/loggers.py"),
     "logger.wandb_enabled": T("packages/grpo-train/tests/test_loggers.py::test_wandb_offline_run_folder_has_the_logged_values"),
@@ -272,7 +274,8 @@ def _models(annotation) -> list[type[BaseModel]]:
 def schema_leaves(model: type[BaseModel] = GRPOMasterConfig, prefix: str = "") -> list[str]:
     """Every leaf key path of the schema (the walk the table must cover)."""
     keys = []
-    for name, field in model.model_fields.items():
+    for attr, field in model.model_fields.items():
+        name = field.alias or attr  # the key a config writes (`class`, not the attribute `class_`)
         inner = _models(field.annotation)
         if not inner:
             keys.append(prefix + name)

@@ -14,6 +14,12 @@ output and the training run:
   counted in ``env/actor_restarts``; past ``max_restarts_per_step`` the pool gives up with an
   error, because a worker that cannot survive at all is a broken setup, not a bad sample.
 
+An environment outside grpo is given by import path (``env_class="my_pkg.envs:MyEnv"``): each
+actor imports it itself, after putting ``import_paths`` first on its ``sys.path``, so the class is
+never pickled by reference into a process that cannot import it.
+
+Every overrun of ``step_timeout_s`` is also counted in ``env/step_timeouts``.
+
 ``in_process=True`` runs the same interface on one environment in the calling process, without
 Ray (tests and simple users); exceptions are isolated the same way there.
 """
@@ -21,6 +27,7 @@ Ray (tests and simple users); exceptions are isolated the same way there.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -34,6 +41,7 @@ log = logging.getLogger(__name__)
 RESTARTS = "env/actor_restarts"
 CRASHED_SAMPLES = "env/crashed_samples"
 SAMPLE_ERRORS = "env/sample_errors"
+STEP_TIMEOUTS = "env/step_timeouts"
 _ERROR_PREVIEW_CHARS = 2000
 
 
@@ -81,8 +89,10 @@ def _checked(out: Any, n: int) -> EnvOutput:
 class _EnvActor:
     """Ray actor body: one environment instance."""
 
-    def __init__(self, env_cls: type[Environment], config: dict) -> None:
-        self.env = env_cls(**config)
+    def __init__(self, env_cls: type[Environment] | str, config: dict, import_paths: list[str]) -> None:
+        sys.path[:0] = [p for p in import_paths if p not in sys.path]
+        cls = registry.load_env_class(env_cls) if isinstance(env_cls, str) else env_cls
+        self.env = cls(**config)
 
     def ready(self) -> bool:
         return True
@@ -118,6 +128,8 @@ class EnvPool:
 
     The caller has already called ``ray.init``. ``actor_options`` go to ``.options()`` of every
     actor (e.g. ``{"num_cpus": 1}``; by default actors hold no CPU while running, Ray's default).
+    ``env_class`` (an import path ``"module:Class"``) replaces the registry lookup of ``name``;
+    ``import_paths`` are searched first when it (and what it imports) is imported.
     """
 
     def __init__(
@@ -131,11 +143,20 @@ class EnvPool:
         step_timeout_s: float | None = None,
         max_restarts_per_step: int = 32,
         ready_timeout_s: float = 300.0,
+        env_class: str | None = None,
+        import_paths: list[str] | tuple[str, ...] = (),
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"EnvPool({name!r}): num_workers must be >= 1, got {num_workers}")
         self.name = name
-        self.env_cls = registry.get(name)
+        self.import_paths = [str(p) for p in import_paths]
+        self._env_spec: type[Environment] | str
+        if env_class is None:
+            self.env_cls = self._env_spec = registry.get(name)
+        else:
+            with registry.import_paths(self.import_paths):
+                self.env_cls = registry.load_env_class(env_class)
+            self._env_spec = env_class
         self.config = dict(config or {})
         self.num_workers = 1 if in_process else num_workers
         self.in_process = in_process
@@ -148,7 +169,8 @@ class EnvPool:
         self._env: Environment | None = None
         self._actors: list[Any] = []
         if in_process:
-            self._env = self.env_cls(**self.config)
+            with registry.import_paths(self.import_paths):
+                self._env = self.env_cls(**self.config)
             return
         import ray
 
@@ -168,7 +190,7 @@ class EnvPool:
             )
         if self.in_process:
             out, errors = step_guarded(self._env, message_logs, env_infos)
-            out.metrics.update({RESTARTS: 0.0, CRASHED_SAMPLES: 0.0, SAMPLE_ERRORS: float(errors)})
+            out.metrics.update({RESTARTS: 0.0, CRASHED_SAMPLES: 0.0, SAMPLE_ERRORS: float(errors), STEP_TIMEOUTS: 0.0})
             return out
         return self._step_on_actors(message_logs, env_infos)
 
@@ -183,7 +205,7 @@ class EnvPool:
     @property
     def count_metrics(self) -> frozenset[str]:
         """Names of this pool's step metrics that count events (summed, not averaged, over steps)."""
-        return self.env_cls.COUNT_METRICS | {RESTARTS, CRASHED_SAMPLES, SAMPLE_ERRORS}
+        return self.env_cls.COUNT_METRICS | {RESTARTS, CRASHED_SAMPLES, SAMPLE_ERRORS, STEP_TIMEOUTS}
 
     def global_post_process_and_metrics(self, batch_metadata: list[dict]) -> dict[str, float]:
         if self.in_process:
@@ -218,7 +240,7 @@ class EnvPool:
 
     # ------------------------------------------------------------------ Ray workers
     def _new_actor(self):
-        return self._actor_cls.remote(self.env_cls, self.config)
+        return self._actor_cls.remote(self._env_spec, self.config, self.import_paths)
 
     def _wait_ready(self) -> None:
         timeout_s = self.ready_timeout_s
@@ -250,7 +272,7 @@ class EnvPool:
     def _step_on_actors(self, message_logs: list[list[dict]], env_infos: list[dict]) -> EnvOutput:
         bounds = _split(len(message_logs), self.num_workers)
         chunks = [_Chunk(start, stop) for start, stop in bounds]
-        counts = {RESTARTS: 0, CRASHED_SAMPLES: 0, SAMPLE_ERRORS: 0}
+        counts = {RESTARTS: 0, CRASHED_SAMPLES: 0, SAMPLE_ERRORS: 0, STEP_TIMEOUTS: 0}
         in_flight: dict[Any, tuple[int, int, int, float]] = {}  # ref -> (chunk, start, stop, t0)
         # Chunk k runs on actor (offset + k): batches smaller than the pool (one conversation's turn,
         # stepped on its own by the per-sample multi-turn rollout) take turns over the actors.
@@ -276,6 +298,7 @@ class EnvPool:
                     continue
                 worker, start, stop, _ = in_flight.pop(ref)
                 log.warning("EnvPool(%r): worker %d overran step_timeout_s=%s", self.name, worker, self.step_timeout_s)
+                counts[STEP_TIMEOUTS] += 1
                 self._on_crash(chunks[worker], actor_of(worker), start, stop, "timeout", counts)
             else:
                 ref = ready[0]

@@ -3,11 +3,17 @@
 Built-in environments are registered as ``"module:Class"`` strings and imported on first
 ``make``/``get``, so ``import grpo_envs`` stays cheap (no Ray, math-verify or torch).
 Adding an environment is one file plus one line here (or one ``register`` call from user code).
+Code outside grpo names its class by import path instead (``load_env_class("my_pkg.envs:MyEnv")``),
+which is what ``env.<name>.class`` in a training config does.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 from grpo_envs.base import Environment
 
@@ -63,3 +69,50 @@ def make(name: str, **config) -> Environment:
 def names() -> list[str]:
     """Registered environment names, sorted."""
     return sorted(_REGISTRY)
+
+
+def load_object(spec: str) -> Any:
+    """The object that ``"package.module:attr"`` names (``attr`` may be dotted: ``Outer.inner``).
+
+    Raises ImportError (module missing or failing to import) or AttributeError, with a message
+    that says which part of ``spec`` failed.
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ImportError(f"{spec!r} is not an import path of the form 'package.module:name'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ImportError(f"cannot import module {module_name!r} ({type(exc).__name__}: {exc})") from exc
+    except Exception as exc:  # the user's module raised while importing: report it, do not crash
+        raise ImportError(f"importing module {module_name!r} raised {type(exc).__name__}: {exc}") from exc
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise AttributeError(f"module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def load_env_class(spec: str) -> type[Environment]:
+    """The Environment subclass at import path ``spec`` (TypeError when it is something else)."""
+    obj = load_object(spec)
+    if not (isinstance(obj, type) and issubclass(obj, Environment)):
+        raise TypeError(f"{spec!r} is {obj!r}, not a subclass of grpo_envs.base.Environment")
+    if getattr(obj, "__abstractmethods__", None):
+        raise TypeError(f"{spec!r} does not implement {', '.join(sorted(obj.__abstractmethods__))}")
+    return obj
+
+
+@contextmanager
+def import_paths(paths: Sequence[str]) -> Iterator[None]:
+    """``paths`` searched first by imports inside the block (and left on ``sys.path`` afterwards
+    only if they were there before), so user modules next to a config import the same way in the
+    driver's checks and in environment actors."""
+    added = [p for p in paths if p not in sys.path]
+    sys.path[:0] = added
+    try:
+        yield
+    finally:
+        for p in added:
+            if p in sys.path:
+                sys.path.remove(p)

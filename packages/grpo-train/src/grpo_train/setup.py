@@ -22,6 +22,7 @@ from grpo_train.errors import StartupError  # re-exported: its old home
 from grpo_train.plan import PlanError, make_plan
 
 BUILTIN_PREFIX = "builtin:"
+REWARD_FN_ENV = "grpo_envs.reward_fn:RewardFnEnv"  # what `env.<name>.reward_fn` runs
 
 
 def resolve_model_path(name: str, key: str = "policy.model_name") -> str:
@@ -278,11 +279,18 @@ class Components:
 def build_envs(cfg: GRPOMasterConfig) -> dict:
     """env name -> EnvPool of Ray actors (the async collector calls the same actors)."""
     from grpo_envs.pool import EnvPool
+    from grpo_train.config.checks import env_import_paths
 
-    return {name: EnvPool(name, env_cfg.model_dump(exclude={"num_workers", "step_timeout_s", "resources"}),
-                          num_workers=env_cfg.num_workers, step_timeout_s=env_cfg.step_timeout_s,
-                          actor_options=env_actor_options(env_cfg.resources))
-            for name, env_cfg in cfg.env.items()}
+    pools = {}
+    for name, env_cfg in cfg.env.items():
+        settings = dict(env_cfg.model_extra or {})
+        env_class = env_cfg.class_
+        if env_cfg.reward_fn is not None:
+            env_class, settings = REWARD_FN_ENV, {"reward_fn": env_cfg.reward_fn}
+        pools[name] = EnvPool(name, settings, num_workers=env_cfg.num_workers, step_timeout_s=env_cfg.step_timeout_s,
+                              actor_options=env_actor_options(env_cfg.resources), env_class=env_class,
+                              import_paths=env_import_paths() if env_class is not None else ())
+    return pools
 
 
 def env_actor_options(resources: dict[str, float] | None) -> dict:

@@ -12,6 +12,7 @@ dummy parameter and takes a step, so this module imports torch (only inside that
 from __future__ import annotations
 
 import inspect
+import os
 import warnings
 from typing import Any
 
@@ -19,7 +20,14 @@ from pydantic import ConfigDict, ValidationError, create_model
 
 from grpo_train.config import _is_union_label
 from grpo_train.config.errors import ConfigError
-from grpo_train.config.schema import DatasetConfig, GRPOMasterConfig, OptimizerConfig, SchedulerEntry
+from grpo_train.config.schema import (
+    ENV_RESOURCE_NAMES,
+    DatasetConfig,
+    EnvConfig,
+    GRPOMasterConfig,
+    OptimizerConfig,
+    SchedulerEntry,
+)
 from grpo_train.generation.base import SCORE_RESERVE  # positions the engines keep free for scoring
 
 
@@ -81,16 +89,24 @@ def check_lengths(cfg: GRPOMasterConfig) -> None:
 
 
 # --------------------------------------------------------------------------- environments
+def env_import_paths() -> list[str]:
+    """Where `env.<name>.class` / `reward_fn` modules are found besides PYTHONPATH: the directory
+    `grpo train` runs from (as `python -m` finds modules there); env actors search it too."""
+    return [os.getcwd()]
+
+
 def check_envs(cfg: GRPOMasterConfig) -> None:
-    """Each `env.<name>` is a registered environment and its settings fit its constructor."""
+    """Each `env.<name>` is a registered environment, or names an importable Environment class or
+    reward function; its settings fit the class's constructor; its resources exist."""
     from grpo_envs import registry
 
     for name, env_cfg in cfg.env.items():
-        try:
-            cls = registry.get(name)
-        except KeyError:
-            raise ConfigError(f"unknown environment; registered: {', '.join(registry.names())}", key=f"env.{name}") from None
+        _check_env_resources(cfg, name, env_cfg.resources)
+        with registry.import_paths(env_import_paths()):
+            cls = _env_class(name, env_cfg)
         settings = dict(env_cfg.model_extra or {})
+        if env_cfg.reward_fn is not None:
+            continue  # RewardFnEnv takes only the function, checked by _env_class
         try:
             _constructor_model(cls).model_validate(settings)
         except ValidationError as exc:
@@ -102,18 +118,57 @@ def check_envs(cfg: GRPOMasterConfig) -> None:
                               key=f"env.{name}.{loc}" if loc else f"env.{name}") from None
 
 
+def _env_class(name: str, env_cfg: EnvConfig) -> type:
+    """The class `env.<name>` runs, imported here so that a bad path fails before any actor starts."""
+    from grpo_envs import registry
+
+    if env_cfg.class_ is not None:
+        key = f"env.{name}.class"
+        try:
+            return registry.load_env_class(env_cfg.class_)
+        except (ImportError, AttributeError, TypeError) as exc:
+            raise ConfigError(f"{exc} (modules are found on PYTHONPATH and in {os.getcwd()})", key=key) from None
+    if env_cfg.reward_fn is not None:
+        from grpo_envs.reward_fn import RewardFnEnv, reward_fn_arity
+
+        key = f"env.{name}.reward_fn"
+        try:
+            reward_fn_arity(registry.load_object(env_cfg.reward_fn), env_cfg.reward_fn)
+        except (ImportError, AttributeError, TypeError) as exc:
+            raise ConfigError(f"{exc} (modules are found on PYTHONPATH and in {os.getcwd()})", key=key) from None
+        return RewardFnEnv
+    try:
+        return registry.get(name)
+    except KeyError:
+        raise ConfigError(f"unknown environment; registered: {', '.join(registry.names())} (or give "
+                          f"env.{name}.class / env.{name}.reward_fn)", key=f"env.{name}") from None
+
+
+def _check_env_resources(cfg: GRPOMasterConfig, name: str, resources: dict[str, float] | None) -> None:
+    """A local Ray has CPUs and GPUs only: an actor asking for a custom resource would never start."""
+    custom = sorted(set(resources or {}) - set(ENV_RESOURCE_NAMES))
+    if custom and cfg.cluster.address is None:
+        raise ConfigError(f"unknown resource(s) {', '.join(custom)}; a local Ray has only {', '.join(ENV_RESOURCE_NAMES)} "
+                          f"(custom Ray resources need a cluster started with them: cluster.address)",
+                          key=f"env.{name}.resources")
+
+
 def _constructor_model(cls: type) -> type:
     """A pydantic model of `cls.__init__`'s keyword parameters (types from its annotations)."""
     fields: dict[str, Any] = {}
     extra = "forbid"
     params = []  # a class without its own __init__ takes no settings
     if cls.__init__ is not object.__init__:
-        params = list(inspect.signature(cls.__init__, eval_str=True).parameters.values())[1:]
+        try:
+            signature = inspect.signature(cls.__init__, eval_str=True)
+        except Exception:  # noqa: BLE001 - a user's annotation that only a type checker resolves: check names only
+            signature = inspect.signature(cls.__init__)
+        params = list(signature.parameters.values())[1:]
     for param in params:
         if param.kind is param.VAR_KEYWORD:
             extra = "allow"
         elif param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY):
-            annotation = Any if param.annotation is param.empty else param.annotation
+            annotation = Any if param.annotation is param.empty or isinstance(param.annotation, str) else param.annotation
             fields[param.name] = (annotation, ... if param.default is param.empty else param.default)
     # strict: the environment receives these very values, so "2" is not a number here
     config = ConfigDict(extra=extra, arbitrary_types_allowed=True, strict=True)
