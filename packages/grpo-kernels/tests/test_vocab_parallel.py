@@ -54,22 +54,27 @@ def forward_backward(fn, logits, targets, temperature, entropy, g_lp, g_ent, **k
     return lp.detach(), None if ent is None else ent.detach(), x.grad
 
 
-def run_rank(rank: int, world: int, port: int) -> None:
-    """Every case on this rank's shard; asserts inside (a failing child exits non-zero)."""
+def run_rank(rank: int, world: int, port: int, backend: str = "gloo") -> None:
+    """Every case on this rank's shard; asserts inside (a failing child exits non-zero). NCCL
+    ranks compute on GPU `rank`."""
     import datetime
 
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     try:
         for seed, (name, leading, V, dtype, temperature, packed, entropy) in enumerate(CASES):
             V = V // world * world
-            logits, targets, g_lp, g_ent = make_case(leading, V, dtype, seed, masked_vocab=name.startswith("masked"))
+            case = make_case(leading, V, dtype, seed, masked_vocab=name.startswith("masked"))
             kw = {}
             if packed:
-                kw["cu_seqlens"] = torch.tensor([0, 5, 6, 12, 17])
-                targets = torch.randint(0, V, leading, generator=torch.Generator().manual_seed(seed))
+                kw["cu_seqlens"] = torch.tensor([0, 5, 6, 12, 17], device=device)
+                case = (case[0], torch.randint(0, V, leading, generator=torch.Generator().manual_seed(seed)), *case[2:])
+            logits, targets, g_lp, g_ent = (t.to(device) for t in case)
             want_lp, want_ent, want_grad = forward_backward(R.token_logprobs, logits, targets, temperature, entropy,
                                                             g_lp, g_ent, **kw)
             cols = slice(rank * V // world, (rank + 1) * V // world)
@@ -94,23 +99,32 @@ spec = importlib.util.spec_from_file_location("vocab_parallel_rank", sys.argv[1]
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
 torch.set_num_threads(1)
-module.run_rank(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+module.run_rank(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
 """
 
 
-@pytest.mark.parametrize("world", [2])
-def test_sharded_logprobs_entropy_and_gradients_match_the_unsharded_op(world):
+def run_ranks(world: int, backend: str) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    children = [subprocess.Popen([sys.executable, "-c", CHILD, __file__, str(rank), str(world), str(port)],
+    children = [subprocess.Popen([sys.executable, "-c", CHILD, __file__, str(rank), str(world), str(port), backend],
                                  stderr=subprocess.PIPE, text=True) for rank in range(1, world)]
     try:
-        run_rank(0, world, port)
+        run_rank(0, world, port, backend)
     finally:
         errors = [child.communicate(timeout=180)[1] for child in children]
     for child, err in zip(children, errors, strict=True):
         assert child.returncode == 0, err[-3000:]
+
+
+def test_sharded_logprobs_entropy_and_gradients_match_the_unsharded_op():
+    run_ranks(2, "gloo")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (NCCL)")
+def test_nccl_ranks_match_the_unsharded_op():
+    run_ranks(2, "nccl")
 
 
 def test_bad_inputs_name_the_argument():

@@ -4,7 +4,7 @@ Each rank builds the same random tiny model twice: once plain (the oracle, on th
 and once parallelized with `apply_tensor_parallel` over a TP=2 mesh. On the padded and the
 packed path, with and without SP, the TP model's logprobs, the clipped PG loss and every
 parameter's gradient (gathered with `full_tensor()`) must equal the plain model's (fp32,
-1e-5 relative). Qwen2 (tied head) and Llama (untied head) cover the plan's two head layouts.
+1e-5 relative), and refit and checkpoints see the plain model's full tensors. Qwen2 (tied head) and Llama (untied head) cover the plan's two head layouts.
 Rank 0 runs in the test process, rank 1 in a child process that loads this file by path.
 """
 
@@ -86,6 +86,34 @@ def assert_close(got, want, what):
     assert diff <= RTOL * float(want.norm()) + ATOL, (what, diff, float(want.norm()))
 
 
+def assert_same_full_state(tp_model, plain, what: str) -> None:
+    """Refit and checkpoints see full tensors: the refit stream gathered bucket by bucket (the
+    weight transport's own bucketing) and the checkpoint state dict equal the plain model's,
+    bitwise, under the same names (a tied head sent and saved once, as unsharded)."""
+    from grpo_train.policy.fsdp import full_model_state
+    from grpo_train.weight_sync import iter_refit_tensors
+    from grpo_train.weight_transport import plan_buckets, tensor_metadata
+
+    want = dict(iter_refit_tensors(plain))
+    metas = tensor_metadata(iter_refit_tensors(tp_model, gather=False))
+    assert [m.name for m in metas] == list(want), what
+    stream = iter_refit_tensors(tp_model)
+    buckets = plan_buckets(metas, 8 * 1024)  # several buckets of the tiny model
+    assert len(buckets) > 2, what
+    for bucket in buckets:
+        for index in bucket:
+            name, tensor = next(stream)
+            assert name == metas[index].name and not hasattr(tensor, "placements"), (what, name)
+            assert torch.equal(tensor, want[name]), (what, name)
+    saved = full_model_state(tp_model)  # rank 0 holds it, as under FSDP2
+    if torch.distributed.get_rank() != 0:
+        assert saved == {}, what
+        return
+    assert saved.keys() == plain.state_dict().keys(), what
+    for name, tensor in plain.state_dict().items():
+        assert torch.equal(saved[name], tensor), (what, "checkpoint", name)
+
+
 def run_rank(rank: int, port: int) -> None:
     import datetime
 
@@ -98,21 +126,21 @@ def run_rank(rank: int, port: int) -> None:
                             timeout=datetime.timedelta(seconds=120))
     try:
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-        for kind in ("qwen2", "llama"):
+        for kind, sp in (("qwen2", False), ("qwen2", True), ("llama", True)):
             plain = tiny_model(kind)
-            for sp in (False, True):
-                tp_model = apply_tensor_parallel(tiny_model(kind), mesh, sequence_parallel=sp)
-                if kind == "qwen2":  # the tied head stays one (sharded) parameter
-                    assert tp_model.lm_head.weight is tp_model.model.embed_tokens.weight
-                for packed in (False, True):
-                    what = f"{kind} sp={sp} packed={packed} rank {rank}"
-                    want_lp, want_loss, want_grads = step(plain, packed)
-                    lp, loss, grads = step(tp_model, packed)
-                    assert_close(lp, want_lp, what + " logprobs")
-                    assert_close(loss, want_loss, what + " loss")
-                    assert grads.keys() == want_grads.keys(), what
-                    for name in want_grads:
-                        assert_close(grads[name], want_grads[name], f"{what} grad {name}")
+            tp_model = apply_tensor_parallel(tiny_model(kind), mesh, sequence_parallel=sp)
+            if kind == "qwen2":  # the tied head stays one (sharded) parameter
+                assert tp_model.lm_head.weight is tp_model.model.embed_tokens.weight
+            assert_same_full_state(tp_model, plain, f"{kind} sp={sp} rank {rank}")
+            for packed in (False, True):
+                what = f"{kind} sp={sp} packed={packed} rank {rank}"
+                want_lp, want_loss, want_grads = step(plain, packed)
+                lp, loss, grads = step(tp_model, packed)
+                assert_close(lp, want_lp, what + " logprobs")
+                assert_close(loss, want_loss, what + " loss")
+                assert grads.keys() == want_grads.keys(), what
+                for name in want_grads:
+                    assert_close(grads[name], want_grads[name], f"{what} grad {name}")
     finally:
         dist.destroy_process_group()
 
