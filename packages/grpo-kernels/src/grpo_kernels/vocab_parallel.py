@@ -149,5 +149,6 @@ def vocab_parallel_token_logprobs(
             z = flat.to(work_dtype(flat.dtype)) / temperature
             logprob, entropy, _ = _sharded_stats(z, targets, vocab_start, ignore_index, group, return_entropy)
     if return_entropy:
+        assert entropy is not None
         return logprob.reshape(out_shape), entropy.reshape(out_shape)
     return logprob.reshape(out_shape)

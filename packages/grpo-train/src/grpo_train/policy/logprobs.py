@@ -59,7 +59,9 @@ def _target_logprobs(model: torch.nn.Module, hidden: torch.Tensor, targets: torc
         logits = head(hidden)  # [N, V / tp]
         if cap is not None:  # elementwise, so it applies shard by shard
             logits = cap * torch.tanh(logits / scale / cap)
-        return vocab_parallel_token_logprobs(logits, targets, tp.group, **kwargs)
+        logprob = vocab_parallel_token_logprobs(logits, targets, tp.group, **kwargs)
+        assert isinstance(logprob, torch.Tensor)  # no entropy asked for
+        return logprob
     if chunk_size is not None:
         kwargs["chunk_size"] = chunk_size
     if cap is not None:
@@ -112,7 +114,8 @@ def packed_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, positi
     cu = cu_seqlens.to(device=input_ids.device, dtype=torch.int32)  # flash-attention wants int32
     token = _PACKED_CALL.set(True)
     try:
-        hidden = model.base_model(
+        base: torch.nn.Module = model.base_model  # pyright: ignore[reportAssignmentType]
+        hidden = base(
             input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=None, use_cache=False,
             cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_seqlen, max_length_k=max_seqlen,
         ).last_hidden_state[0]  # [T, H] ([T / tp, H] under SP)

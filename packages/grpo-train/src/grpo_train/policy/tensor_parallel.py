@@ -89,7 +89,7 @@ def llama_style_plan(model: torch.nn.Module, sequence_parallel: bool) -> dict[st
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         "lm_head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=True),
     }
-    for i, layer in enumerate(model.model.layers):
+    for i in range(len(list(model.get_submodule("model.layers").children()))):
         prefix = f"model.layers.{i}"
         plan.update({
             f"{prefix}.self_attn.q_proj": ColwiseParallel(),
@@ -110,7 +110,6 @@ def llama_style_plan(model: torch.nn.Module, sequence_parallel: bool) -> dict[st
                 f"{prefix}.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                                     use_local_output=True),
             })
-        del layer
     if sequence_parallel:
         plan["model.layers.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
                                                     use_local_output=True)
@@ -152,12 +151,13 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh, sequence_parallel: bo
     parameter whose gradient sums both uses."""
     from torch.distributed.tensor.parallel import parallelize_module
 
+    hf: Any = model  # an HF PreTrainedModel (embeddings accessors)
     size = tp_mesh.size()
     if (problem := tp_size_problem(model.config, size)) is not None:
         raise ValueError(f"policy.dtensor_cfg.tensor_parallel_size={size}: {problem}")
-    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    tied = hf.get_output_embeddings().weight is hf.get_input_embeddings().weight
     parallelize_module(model, tp_mesh, choose_plan(model, sequence_parallel, custom_plan))
     if tied:
-        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+        hf.get_output_embeddings().weight = hf.get_input_embeddings().weight
     setattr(model, TP_ATTR, TPState(tp_mesh, size, sequence_parallel))
     return model
