@@ -29,6 +29,7 @@ __all__ = [
     "shift_targets_packed",
     "clipped_pg_loss",
     "kl_estimate",
+    "vocab_parallel_token_logprobs",
 ]
 
 
@@ -429,6 +430,24 @@ def linear_token_logprobs(
     if return_entropy:
         return logprob.reshape(out_shape), entropy.reshape(out_shape)
     return logprob.reshape(out_shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# vocab_parallel_token_logprobs' twin: gather the shards, then the unsharded op
+# ----------------------------------------------------------------------------------------------
+def vocab_parallel_token_logprobs(logits, target_ids, group=None, temperature=1.0, return_entropy=False,
+                                  ignore_index=IGNORE_INDEX, cu_seqlens=None):
+    """The oracle of `grpo_kernels.vocab_parallel`: all-gather every rank's shard [.., V/tp] into
+    the full logits (this rank's slice stays in the autograd graph, the others are constants:
+    every rank computes the same loss, so its shard's gradient is its slice of the full one)
+    and run `token_logprobs` on them. Memory of the full [T, V]: for tests only."""
+    import torch.distributed as dist
+
+    shards = [torch.empty_like(logits) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(shards, logits.detach().contiguous(), group=group)
+    shards[dist.get_rank(group)] = logits
+    return token_logprobs(torch.cat(shards, dim=-1), target_ids, temperature, return_entropy, ignore_index,
+                          cu_seqlens=cu_seqlens)
 
 
 # ----------------------------------------------------------------------------------------------

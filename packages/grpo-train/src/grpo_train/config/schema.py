@@ -334,37 +334,44 @@ class DTensorConfig(Section):
     cpu_offload: bool = False
     """FSDP2 keeps parameters, gradients and optimizer state in CPU memory between uses (GPUs)."""
     sequence_parallel: bool = False
-    """Not implemented (needs tensor parallelism): only false is accepted."""
+    """Not wired into the policy workers yet (the plan exists: grpo_train.policy.tensor_parallel, issue #22): only
+    false is accepted."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of storing them (any device)."""
     tensor_parallel_size: int = Field(1, ge=1)
-    """Not implemented: only 1 is accepted (scale the policy with policy.num_workers, data parallel)."""
+    """Not wired into the policy workers yet (the TP plan, vocab-parallel logprobs and TP refit gathers exist:
+    grpo_train.policy.tensor_parallel, grpo_kernels.vocab_parallel; issue #22): only 1 is accepted (scale the
+    policy with policy.num_workers, data parallel)."""
     context_parallel_size: int = Field(1, ge=1)
-    """Not implemented: only 1 is accepted."""
+    """Not built yet (issue #22): only 1 is accepted."""
     custom_parallel_plan: str | None = None
-    """Not implemented (a tensor-parallel plan): only null is accepted."""
+    """A `module:object` tensor-parallel plan; not wired into the policy workers yet: only null is accepted."""
 
     @field_validator("tensor_parallel_size", "context_parallel_size")
     @classmethod
     def _no_model_parallel(cls, value: int, info: ValidationInfo) -> int:
         if value != 1:
-            kind = "tensor" if info.field_name == "tensor_parallel_size" else "context"
-            raise ValueError(f"{kind} parallelism of the policy is not implemented in this version; set 1 and scale "
-                             f"with policy.num_workers (data-parallel ranks, FSDP2-sharded on GPUs)")
+            what = ("tensor parallelism of the policy is not wired into the policy workers yet (its plan and "
+                    "vocab-parallel logprobs exist, issue #22)" if info.field_name == "tensor_parallel_size"
+                    else "context parallelism of the policy is not built yet (issue #22)")
+            raise ValueError(f"{what}; set 1 and scale with policy.num_workers (data-parallel ranks, FSDP2-sharded "
+                             f"on GPUs)")
         return value
 
     @field_validator("sequence_parallel")
     @classmethod
     def _no_sequence_parallel(cls, value: bool) -> bool:
         if value:
-            raise ValueError("sequence parallelism needs tensor parallelism, which this version does not implement; set false")
+            raise ValueError("sequence parallelism needs tensor parallelism, which is not wired into the policy "
+                             "workers yet (issue #22); set false")
         return value
 
     @field_validator("custom_parallel_plan")
     @classmethod
     def _no_custom_plan(cls, value: str | None) -> str | None:
         if value is not None:
-            raise ValueError("a custom (tensor-)parallel plan is not implemented in this version; set null")
+            raise ValueError("a custom tensor-parallel plan needs tensor parallelism, which is not wired into the "
+                             "policy workers yet (issue #22); set null")
         return value
 
 

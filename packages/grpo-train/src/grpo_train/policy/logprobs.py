@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import grpo_kernels
+from grpo_train.policy.tensor_parallel import tp_state
 
 IGNORE_INDEX = -100
 # Name under which varlen_sdpa_attention is registered with transformers.
@@ -52,6 +53,15 @@ def _target_logprobs(model: torch.nn.Module, hidden: torch.Tensor, targets: torc
     head = model.get_output_embeddings()
     kwargs = {"temperature": temperature * scale if cap is None else temperature, "ignore_index": IGNORE_INDEX,
               "cu_seqlens": cu_seqlens}
+    if (tp := tp_state(model)) is not None:  # a column-parallel head: this rank's vocab slice of the logits
+        from grpo_kernels.vocab_parallel import vocab_parallel_token_logprobs
+
+        logits = head(hidden)  # [N, V / tp]
+        if cap is not None:  # elementwise, so it applies shard by shard
+            logits = cap * torch.tanh(logits / scale / cap)
+        logprob = vocab_parallel_token_logprobs(logits, targets, tp.group, **kwargs)
+        assert isinstance(logprob, torch.Tensor)  # no entropy asked for
+        return logprob
     if chunk_size is not None:
         kwargs["chunk_size"] = chunk_size
     if cap is not None:
@@ -71,7 +81,13 @@ def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention
     if family_of(model.config).attention_softcap():  # transformers' SDPA drops it; ours applies it
         use_packed_attention(model)
     backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state[:, :-1]  # [B, S-1, H]
+    if (tp := tp_state(model)) is not None and (pad := tp.pad_to(S)):  # SP splits the sequence evenly
+        input_ids, attention_mask = F.pad(input_ids, (0, pad)), F.pad(attention_mask, (0, pad))
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    if tp is not None:
+        hidden = tp.gather_sequence(hidden, dim=1)
+        input_ids, attention_mask = input_ids[:, :S], attention_mask[:, :S]
+    hidden = hidden[:, :S - 1]  # [B, S-1, H]
     targets = input_ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, IGNORE_INDEX).reshape(-1)  # [B*(S-1)]
     lp = _target_logprobs(model, hidden.reshape(-1, hidden.shape[-1]), targets, temperature, fused, chunk_size)
     return F.pad(lp.view(B, S - 1).float(), (1, 0))
@@ -90,15 +106,22 @@ def packed_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, positi
         raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])} but the stream has {input_ids.shape[0]} tokens; "
                          "give a padding tail a segment of its own")
     use_packed_attention(model)
+    n_tokens = input_ids.shape[0]
+    if (tp := tp_state(model)) is not None and (pad := tp.pad_to(n_tokens)):  # SP: a padding segment of its own
+        input_ids = F.pad(input_ids, (0, pad))
+        position_ids = torch.cat([position_ids, torch.arange(pad, device=position_ids.device)])
+        cu_seqlens = torch.cat([cu_seqlens, cu_seqlens[-1:] + pad])
     cu = cu_seqlens.to(device=input_ids.device, dtype=torch.int32)  # flash-attention wants int32
     token = _PACKED_CALL.set(True)
     try:
-        return model.base_model(
+        base: torch.nn.Module = model.base_model  # pyright: ignore[reportAssignmentType]
+        hidden = base(
             input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=None, use_cache=False,
             cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_seqlen, max_length_k=max_seqlen,
-        ).last_hidden_state[0]  # [T, H]
+        ).last_hidden_state[0]  # [T, H] ([T / tp, H] under SP)
     finally:
         _PACKED_CALL.reset(token)
+    return hidden if tp is None else tp.gather_sequence(hidden, dim=0)[:n_tokens]
 
 
 def packed_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,

@@ -1,0 +1,145 @@
+"""The vocab-parallel logprob op on real gloo ranks against the unsharded op.
+
+Two processes each hold a column shard of the same logits; the op's logprobs,
+entropies and shard gradients must equal `reference.token_logprobs` on the full logits (and
+the slice of its gradient), and so must the reference twin's (gather, then the unsharded op).
+Rank 0 runs in the test process, the others in child processes that load this file by path.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from grpo_kernels import reference as R
+from grpo_kernels.vocab_parallel import vocab_parallel_token_logprobs
+
+IGNORE = -100
+# (name, leading shape, V, dtype, temperature, packed, entropy)
+CASES = [
+    ("flat_fp64", (13,), 24, torch.float64, 1.0, False, True),
+    ("padded_fp32", (3, 7), 48, torch.float32, 0.7, False, True),
+    ("packed_fp32", (17,), 30, torch.float32, 1.3, True, False),
+    ("masked_vocab_fp32", (9,), 36, torch.float32, 1.0, False, True),
+]
+
+
+def tolerance(dtype: torch.dtype) -> dict:
+    return {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-6}
+
+
+def make_case(leading, V, dtype, seed, masked_vocab=False):
+    """Full logits [*leading, V], targets (a few ignored) and the upstream gradients."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(*leading, V, generator=g, dtype=torch.float64) * 3).to(dtype)
+    if masked_vocab:  # padded vocabulary rows of an lm_head: -inf in one shard only
+        logits[..., -5:] = -torch.inf
+    targets = torch.randint(0, V - 5 if masked_vocab else V, leading, generator=g)
+    targets.view(-1)[torch.randperm(targets.numel(), generator=g)[:2]] = IGNORE
+    g_lp = torch.randn(leading, generator=g, dtype=torch.float64)
+    g_ent = torch.randn(leading, generator=g, dtype=torch.float64)
+    return logits, targets, g_lp, g_ent
+
+
+def forward_backward(fn, logits, targets, temperature, entropy, g_lp, g_ent, **kw):
+    x = logits.detach().clone().requires_grad_(True)
+    out = fn(x, targets, temperature=temperature, return_entropy=entropy, **kw)
+    lp, ent = out if entropy else (out, None)
+    loss = (lp * g_lp.to(lp.dtype)).sum() + ((ent * g_ent.to(ent.dtype)).sum() if entropy else 0)
+    loss.backward()
+    return lp.detach(), None if ent is None else ent.detach(), x.grad
+
+
+def run_rank(rank: int, world: int, port: int, backend: str = "gloo") -> None:
+    """Every case on this rank's shard; asserts inside (a failing child exits non-zero). NCCL
+    ranks compute on GPU `rank`."""
+    import datetime
+
+    import torch.distributed as dist
+
+    device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        for seed, (name, leading, V, dtype, temperature, packed, entropy) in enumerate(CASES):
+            V = V // world * world
+            case = make_case(leading, V, dtype, seed, masked_vocab=name.startswith("masked"))
+            kw = {}
+            if packed:
+                kw["cu_seqlens"] = torch.tensor([0, 5, 6, 12, 17], device=device)
+                case = (case[0], torch.randint(0, V, leading, generator=torch.Generator().manual_seed(seed)), *case[2:])
+            logits, targets, g_lp, g_ent = (t.to(device) for t in case)
+            want_lp, want_ent, want_grad = forward_backward(R.token_logprobs, logits, targets, temperature, entropy,
+                                                            g_lp, g_ent, **kw)
+            cols = slice(rank * V // world, (rank + 1) * V // world)
+            shard = logits[..., cols]
+            for impl in (vocab_parallel_token_logprobs, R.vocab_parallel_token_logprobs):
+                lp, ent, grad = forward_backward(impl, shard, targets, temperature, entropy, g_lp, g_ent, **kw)
+                what = f"{name} {impl.__module__} rank {rank}"
+                torch.testing.assert_close(lp, want_lp, **tolerance(dtype), msg=what)
+                if entropy:
+                    torch.testing.assert_close(ent, want_ent, **tolerance(dtype), msg=what)
+                torch.testing.assert_close(grad, want_grad[..., cols], **tolerance(dtype), msg=what)
+            with torch.no_grad():  # the no-grad path gives the same numbers
+                torch.testing.assert_close(vocab_parallel_token_logprobs(shard, targets, temperature=temperature, **kw),
+                                           want_lp, **tolerance(dtype))
+    finally:
+        dist.destroy_process_group()
+
+
+CHILD = """
+import importlib.util, sys, torch
+spec = importlib.util.spec_from_file_location("vocab_parallel_rank", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+torch.set_num_threads(1)
+module.run_rank(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+"""
+
+
+def run_ranks(world: int, backend: str) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    children = [subprocess.Popen([sys.executable, "-c", CHILD, __file__, str(rank), str(world), str(port), backend],
+                                 stderr=subprocess.PIPE, text=True) for rank in range(1, world)]
+    try:
+        run_rank(0, world, port, backend)
+    finally:
+        errors = [child.communicate(timeout=180)[1] for child in children]
+    for child, err in zip(children, errors, strict=True):
+        assert child.returncode == 0, err[-3000:]
+
+
+def test_sharded_logprobs_entropy_and_gradients_match_the_unsharded_op():
+    run_ranks(2, "gloo")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (NCCL)")
+def test_nccl_ranks_match_the_unsharded_op():
+    run_ranks(2, "nccl")
+
+
+def test_bad_inputs_name_the_argument():
+    import torch.distributed as dist
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="target_ids: id 8 is out of range"):
+            vocab_parallel_token_logprobs(torch.zeros(2, 8), torch.tensor([1, 8]))
+        with pytest.raises(ValueError, match="logits: expected"):
+            vocab_parallel_token_logprobs(torch.zeros(8), torch.tensor([1]))
+        with pytest.raises(ValueError, match="temperature"):
+            vocab_parallel_token_logprobs(torch.zeros(2, 8), torch.tensor([1, 2]), temperature=0.0)
+    finally:
+        dist.destroy_process_group()
