@@ -332,7 +332,7 @@ class LoRAConfig(Section):
     """LoRA rank r (> 0)."""
     alpha: int = 32
     """LoRA alpha: the adapter's update is scaled by alpha / dim."""
-    dropout: float = Field(0.0, ge=0, lt=1)
+    dropout: float = Field(default=0.0, ge=0, lt=1)
     """Dropout on the adapter's input (peft's position: before lora_A)."""
     dropout_position: Literal["pre", "post"] = "pre"
     """Where LoRA dropout applies: "pre" (the adapter's input, peft's) is the one supported; "post" (NeMo's

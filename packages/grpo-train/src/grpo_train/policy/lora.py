@@ -10,6 +10,8 @@ Boundary: knows nothing of losses, batches, files or Ray.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from grpo_train.config.schema import LoRAConfig
@@ -86,12 +88,12 @@ def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, seed: int):
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, layer in sorted((n, m) for n, m in model.named_modules() if isinstance(m, LoraLayer)):
-            weight = layer.lora_A[ADAPTER].weight
+            weight = cast(torch.Tensor, layer.lora_A[ADAPTER].weight)
             if cfg.lora_A_init == "xavier":
                 torch.nn.init.xavier_uniform_(weight, generator=gen)
             else:  # peft's own default: kaiming-uniform with a = sqrt(5)
                 torch.nn.init.kaiming_uniform_(weight, a=5 ** 0.5, generator=gen)
-            torch.nn.init.zeros_(layer.lora_B[ADAPTER].weight)
+            torch.nn.init.zeros_(cast(torch.Tensor, layer.lora_B[ADAPTER].weight))
     return peft_model
 
 

@@ -43,9 +43,9 @@ def export_merged(model: torch.nn.Module, merged: dict[str, torch.Tensor], folde
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
-    model.config.save_pretrained(str(folder))
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(str(folder))
+    for part in ("config", "generation_config"):  # the HF model's PretrainedConfig / GenerationConfig
+        if (config := getattr(model, part, None)) is not None:
+            config.save_pretrained(str(folder))
     save_file({k: v.detach().to("cpu").contiguous() for k, v in merged.items()}, str(folder / "model.safetensors"),
               metadata={"format": "pt"})
 
