@@ -130,6 +130,45 @@ def collective_refit(group) -> dict[str, torch.Tensor]:
     return received
 
 
+# Also before the module fixture (room for one 2-rank group beside it).
+@pytest.mark.slow
+@pytest.mark.parametrize("fsdp", [True, None], ids=["fsdp2", "gloo_all_reduce"])
+def test_lora_ranks_match_one_lora_worker(ray_session, tiny_qwen2_dir, tmp_path, fsdp):
+    """policy.dtensor_cfg.lora_cfg on two data-parallel ranks (FSDP2 over gloo, and full replicas
+    with the gloo all-reduce) against one LoRA worker, fp32: the same logprobs (policy and the
+    adapters-disabled reference), the same adapter gradients and metrics (1e-6 relative), only
+    adapters carry gradients, and the merged refit gathered from the ranks is the single worker's.
+    The group starts from the single worker's LoRA checkpoint (adapters only: the sharded load
+    leaves the base weights as loaded)."""
+    from grpo_train.policy.worker import PolicyWorker
+
+    def cfg(n: int) -> PolicyConfig:
+        lora = {"enabled": True, "dim": 4, "alpha": 8}
+        return policy_cfg(n, fsdp=fsdp).model_copy(update={"dtensor_cfg": DTensorConfig(enabled=fsdp, lora_cfg=lora)})
+
+    group = PolicyGroup(tiny_qwen2_dir, cfg(2), LOSS, ClusterConfig(), seed=0, num_threads=1)
+    try:
+        torch.set_num_threads(1)
+        single = PolicyWorker(tiny_qwen2_dir, cfg(1), LOSS, seed=0)
+        single.train(prepare(make_batch(8, seed=1), single.logprobs))  # non-zero adapters to start from
+        single.save(str(tmp_path / "start"))
+        ray.get(group.load.remote(str(tmp_path / "start")))
+        assert group._sharded == bool(fsdp)
+        one = prepare(make_batch(16, seed=0), single.logprobs)
+        two = prepare(make_batch(16, seed=0), group_logprobs(group))
+        torch.testing.assert_close(two["prev_logprobs"], one["prev_logprobs"], rtol=0, atol=1e-6)
+        torch.testing.assert_close(two["ref_logprobs"], one["ref_logprobs"], rtol=0, atol=1e-6)
+        assert (one["prev_logprobs"] - one["ref_logprobs"]).abs().max() > 1e-3  # the adapters act
+        m1, m2 = single.train(one), ray.get(group.train.remote(two))
+        assert_metrics_close(m2, m1)
+        grads = ray.get(group.gradients.remote())
+        assert grads.keys() and all(".lora_A." in k or ".lora_B." in k for k in grads)
+        assert_close_rel(grads, single.gradients(), "adapter gradients")
+        assert_close_rel(ray.get(group.weights.remote()), single.weights(), "merged refit")
+    finally:
+        group.close()
+
+
 @pytest.fixture(scope="module")
 def fsdp_groups(ray_session, tiny_qwen2_dir):
     """The module's sharded group, and a fresh one for the resume test whose ranks load their

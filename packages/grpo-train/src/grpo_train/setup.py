@@ -99,6 +99,13 @@ def check_model_options(cfg: GRPOMasterConfig, model_path: str) -> None:
             check_moe_config(AutoConfig.from_pretrained(model_path))
         except NotMoEError as exc:
             raise StartupError(f"policy.moe_aux_loss_coeff: {exc}") from None
+    if cfg.policy.dtensor_cfg.lora_cfg.enabled:
+        from grpo_train.policy.lora import LoRAConfigError, check_lora_for_model_path  # torch: only for LoRA runs
+
+        try:
+            check_lora_for_model_path(model_path, cfg.policy.dtensor_cfg.lora_cfg)
+        except LoRAConfigError as exc:
+            raise StartupError(str(exc)) from None
 
 
 # Ray 2.60's raylet gives its dashboard agent and runtime-env agent a fixed 15 s (not a config

@@ -175,21 +175,52 @@ def iter_refit_tensors(model: torch.nn.Module, gather: bool = True) -> Iterator[
     from grpo_train.model_families import family_of
 
     family = family_of(model.config) if hasattr(model, "config") else None
+    modules = dict(model.named_modules())
     seen: set[int] = set()
     # keep_vars=True yields the Parameter objects themselves, so tied weights are one object.
     for name, tensor in model.state_dict(keep_vars=True).items():
-        if id(tensor) in seen:
+        if id(tensor) in seen or _LORA_TENSOR in name:  # adapter tensors: merged into their base weight below
             continue
         seen.add(id(tensor))
         tensor = tensor.detach()
+        owner, _, leaf = name.rpartition(".")
+        lora_layer = None
+        if owner.endswith(_LORA_BASE):  # peft's wrapper: X.base_layer.weight is X.weight to the engine
+            owner = owner[: -len(_LORA_BASE)]
+            name, lora_layer = f"{owner}.{leaf}", modules[owner]
         if not gather:
             tensor = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
-        elif hasattr(tensor, "full_tensor"):  # DTensor (FSDP2 shard): gather the full weight
-            tensor = tensor.full_tensor()
+        else:
+            tensor = _full(tensor)  # DTensor (FSDP2 shard): gather the full weight
+            if lora_layer is not None and leaf == "weight":
+                tensor = merged_lora_weight(tensor, lora_layer)
         if family is None:
             yield name, tensor
         else:
             yield from family.checkpoint_tensors(name, tensor)
+
+
+_LORA_TENSOR = ".lora_"  # peft's adapter parameters: X.lora_A.<adapter>.weight, X.lora_B.<adapter>.weight
+_LORA_BASE = ".base_layer"  # peft's wrapped original layer
+
+
+def _full(tensor):
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def merged_lora_weight(weight, layer):
+    """W + sum over active adapters of (B @ A) * scaling, computed in fp32 from full tensors and
+    returned in W's dtype as a new tensor: the trainer's module is left unmerged (its weights
+    bitwise unchanged). A layer whose adapters are disabled (the reference's context) gives W."""
+    if getattr(layer, "disable_adapters", False) or getattr(layer, "merged", False):
+        return weight
+    merged = weight.float()
+    for adapter in layer.active_adapters:
+        if adapter not in layer.lora_A:
+            continue
+        a, b = _full(layer.lora_A[adapter].weight.detach()), _full(layer.lora_B[adapter].weight.detach())
+        merged = merged + (b.float() @ a.float()).to(merged.device) * layer.scaling[adapter]  # [out, r] @ [r, in]
+    return merged.to(weight.dtype)
 
 
 def state_dict_for_refit(

@@ -326,6 +326,67 @@ class TokenizerConfig(Section):
     """Extra keyword arguments to apply_chat_template."""
 
 
+class LoRAConfig(Section):
+    """LoRA adapters on the policy, built with peft (grpo_train.policy.lora). NeMo RL's names."""
+
+    enabled: bool = False
+    """Train low-rank adapters instead of the full weights: only they get gradients and optimizer
+    state, and the reference policy is the same model with its adapters disabled (no second copy)."""
+    target_modules: list[str] = []
+    """Module names (or name suffixes, peft's matching) that get an adapter; needs match_all_linear: false.
+    Checked against the model at start-up: a name that matches no module is refused."""
+    exclude_modules: list[str] = []
+    """Module names (or suffixes) left without an adapter, applied after target_modules / match_all_linear."""
+    match_all_linear: bool = True
+    """Adapt every linear layer except the output head (peft's "all-linear"); false: target_modules."""
+    dim: int = 8
+    """LoRA rank r (> 0)."""
+    alpha: int = 32
+    """LoRA alpha: the adapter's update is scaled by alpha / dim."""
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    """Dropout on the adapter's input (peft's position: before lora_A)."""
+    dropout_position: Literal["pre", "post"] = "pre"
+    """Where LoRA dropout applies: "pre" (the adapter's input, peft's) is the one supported; "post" (NeMo's
+    default, on the adapter's output) is refused: peft has no such position."""
+    lora_A_init: Literal["xavier", "kaiming"] = "xavier"
+    """Initialisation of lora_A (lora_B starts at zero): xavier-uniform (NeMo's) or kaiming-uniform (peft's)."""
+    refit: Literal["merged", "adapter"] = "merged"
+    """How the generator gets the policy: "merged" pushes base-named weights with W + B.A.alpha/dim merged
+    in (the trainer's module is never merged in place). "adapter" (push only adapter tensors) is not
+    implemented yet."""
+
+    @field_validator("dim")
+    @classmethod
+    def _positive_rank(cls, value: int) -> int:
+        if value <= 0:
+            raise ValueError(f"the LoRA rank must be > 0, got {value}; set a positive dim (e.g. 8)")
+        return value
+
+    @field_validator("dropout_position")
+    @classmethod
+    def _peft_position(cls, value: str) -> str:
+        if value == "post":
+            raise ValueError("peft applies LoRA dropout to the adapter's input only; set pre")
+        return value
+
+    @field_validator("refit")
+    @classmethod
+    def _merged_only(cls, value: str) -> str:
+        if value == "adapter":
+            raise ValueError("refit by adapter tensors (vLLM LoRA) is not implemented yet; set merged")
+        return value
+
+    @model_validator(mode="after")
+    def _one_selection(self) -> LoRAConfig:
+        if self.target_modules and self.match_all_linear:
+            raise ValueError("target_modules is set but match_all_linear: true adapts every linear layer; "
+                             "set match_all_linear: false to adapt only target_modules")
+        if not self.target_modules and not self.match_all_linear:
+            raise ValueError("match_all_linear: false and no target_modules: no layer would get an adapter; "
+                             "set target_modules or match_all_linear: true")
+        return self
+
+
 class DTensorConfig(Section):
     enabled: bool | None = None
     """FSDP2: shard the policy (and reference) over the data-parallel ranks. null: on GPUs only
@@ -346,6 +407,8 @@ class DTensorConfig(Section):
     """Not built yet (issue #22): only 1 is accepted."""
     custom_parallel_plan: str | None = None
     """A `module:object` tensor-parallel plan; not wired into the policy workers yet: only null is accepted."""
+    lora_cfg: LoRAConfig = LoRAConfig()
+    """LoRA adapters on the policy (peft); see LoRAConfig."""
 
     @field_validator("tensor_parallel_size", "context_parallel_size")
     @classmethod

@@ -121,22 +121,26 @@ def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def model_state_mismatch(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> str | None:
-    """Fill the tied names a checkpoint leaves out (in place); what else does not match the model."""
+def model_state_mismatch(model: torch.nn.Module, state: dict[str, torch.Tensor],
+                         trainable_only: bool = False) -> str | None:
+    """Fill the tied names a checkpoint leaves out (in place); what else does not match the model.
+    `trainable_only`: the checkpoint holds the trainable parameters only (a LoRA run's adapters)."""
     for names in tied_names(model):
         present = [name for name in names if name in state]
         state.update({name: state[present[0]] for name in names if present and name not in state})
-    expected = model.state_dict().keys()
-    missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
+    everything = model.state_dict().keys()
+    expected = {n for n, p in model.named_parameters() if p.requires_grad} if trainable_only else everything
+    missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - everything)
     return f"missing {missing}, unexpected {unexpected}" if missing or unexpected else None
 
 
-def scatter_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Rank 0's full state dict (complete: see `model_state_mismatch`; {} on other ranks) into
-    every rank's shards, one tensor broadcast at a time."""
+def scatter_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+    """Rank 0's full state dict (complete unless not `strict`: see `model_state_mismatch`; {} on
+    other ranks) into every rank's shards, one tensor broadcast at a time."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                                strict=strict))
 
 
 def full_optimizer_state(optimizer: torch.optim.Optimizer, keep: bool) -> dict | None:

@@ -52,11 +52,14 @@ class MasterWeights:
 
     Build it on the module loaded in fp32: the masters take the loaded values and the module's
     parameters are cast to `dtype`. With `dtype` fp32 the masters are the module's parameters.
+    Only trainable parameters (requires_grad) get masters: frozen ones (a LoRA run's base
+    weights) are only cast to the compute dtype, so they cost no fp32 copy and no optimizer state.
     """
 
     def __init__(self, module: torch.nn.Module, dtype: torch.dtype):
         self.module, self.dtype = module, dtype
-        named = list(module.named_parameters())  # a tied parameter once, under its first name
+        # a tied parameter once, under its first name
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self.names = [name for name, _ in named]
         self.compute = [p for _, p in named]
         if self.mixed:
@@ -116,6 +119,7 @@ class MasterWeights:
             with torch.no_grad():
                 for master, p in zip(self.masters, self.compute):
                     p.data = master.data
+            cast_parameters(self.module, torch.float32)  # frozen parameters too: FSDP2 shards one dtype
             self.dtype, self.masters = torch.float32, self.compute
         return self.module
 

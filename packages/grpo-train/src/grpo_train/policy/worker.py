@@ -34,6 +34,20 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
 # The worker's non-weight state: key in `read_checkpoint`'s dict -> state file stem (state_io).
 STATE_FILES = {"optimizer": "optimizer", "scheduler": "scheduler", "rng": "torch_rng"}
+ADAPTER_DIR = "adapter"  # a LoRA checkpoint's adapters in PEFT format (save_pretrained)
+
+
+def export_merged(model: torch.nn.Module, merged: dict[str, torch.Tensor], folder: Path) -> None:
+    """The merged weights (`weight_sync.iter_refit_tensors` of a LoRA model: base names, tied
+    weights once) as an HF model folder: config.json, generation config and safetensors."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for part in ("config", "generation_config"):  # the HF model's PretrainedConfig / GenerationConfig
+        if (config := getattr(model, part, None)) is not None:
+            config.save_pretrained(str(folder))
+    save_file({k: v.detach().to("cpu").contiguous() for k, v in merged.items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
 
 
 def read_checkpoint(folder: Path) -> dict:
@@ -77,7 +91,14 @@ class PolicyWorker:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         self.model.train()
         self.reference = None
-        if loss_cfg.reference_policy_kl_penalty > 0:
+        # LoRA (policy/lora.py): adapters injected into self.model in place; self.peft wraps it for
+        # disable_adapter (the reference: the same base weights, no copy) and save_pretrained.
+        self.peft = None
+        if policy_cfg.dtensor_cfg.lora_cfg.enabled:
+            from grpo_train.policy.lora import apply_lora
+
+            self.peft = apply_lora(self.model, policy_cfg.dtensor_cfg.lora_cfg, seed)
+        elif loss_cfg.reference_policy_kl_penalty > 0:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
             cast_parameters(self.reference, self.dtype)
         self.master = MasterWeights(self.model, self.dtype)
@@ -148,10 +169,17 @@ class PolicyWorker:
 
     @torch.no_grad()
     def logprobs(self, batch: dict[str, torch.Tensor], reference: bool = False) -> torch.Tensor:
-        """[B, S] logprobs under the current (or the reference) weights, in logprob micro-batches."""
+        """[B, S] logprobs under the current (or the reference) weights, in logprob micro-batches.
+        Under LoRA the reference is the policy with its adapters disabled."""
+        if reference and self.peft is not None:
+            with self.peft.disable_adapter():
+                return self._logprobs_of(self.model, batch)
         model = self.reference if reference else self.model
         if model is None:
             raise ValueError("reference logprobs requested but loss_fn.reference_policy_kl_penalty is 0")
+        return self._logprobs_of(model, batch)
+
+    def _logprobs_of(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         out = torch.zeros(batch_size(batch), batch["input_ids"].shape[1])
         planner, lengths, plan = self._plan(batch, "logprob")
         for i in range(self._agree_microbatch_count(len(plan))):
@@ -322,6 +350,8 @@ class PolicyWorker:
         from grpo_train.state_io import save_state
 
         keep = self.rank == 0
+        if self.peft is not None:
+            return self._save_lora(Path(folder), keep)
         masters = fsdp.full_model_state(self.model) if self._sharded else self.master.state()
         optimizer_state = (fsdp.full_optimizer_state(self.optimizer, keep) if self._sharded
                            else self.optimizer.state_dict())
@@ -334,6 +364,35 @@ class PolicyWorker:
             from safetensors.torch import save_file
 
             save_file({k: v.detach().clone().contiguous() for k, v in masters.items()}, str(folder / MASTERS_FILE))
+        self._copy_tokenizer(folder / "model")
+        states = {"optimizer": optimizer_state, "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state()}
+        for key, stem in STATE_FILES.items():
+            save_state(states[key], folder, stem)
+
+    def _save_lora(self, folder: Path, keep: bool) -> None:
+        """A LoRA checkpoint: the adapters in PEFT format (`ADAPTER_DIR`, loadable with
+        `PeftModel.from_pretrained` on the base model), their fp32 masters (`MASTERS_FILE`, what
+        resume reads), optimizer, scheduler and RNG state, and under model/ the merged HF model
+        in the compute dtype (what `grpo eval --checkpoint` and a vLLM engine load: the export)."""
+        from safetensors.torch import save_file
+
+        from grpo_train.state_io import save_state
+
+        if self._sharded:
+            masters = {k: v for k, v in fsdp.full_model_state(self.model).items() if k in set(self.master.names)}
+        else:
+            masters = self.master.state()
+        optimizer_state = (fsdp.full_optimizer_state(self.optimizer, keep) if self._sharded
+                           else self.optimizer.state_dict())
+        merged = dict(self._refit_tensors())  # collective under FSDP2: every rank iterates
+        if not keep:
+            return
+        assert self.peft is not None
+        # PeftModel's names are the injected model's under base_model.model.
+        self.peft.save_pretrained(str(folder / ADAPTER_DIR), safe_serialization=True,
+                                  state_dict={f"base_model.model.{k}": v for k, v in masters.items()})
+        save_file({k: v.detach().clone().contiguous() for k, v in masters.items()}, str(folder / MASTERS_FILE))
+        export_merged(self.model, merged, folder / "model")
         self._copy_tokenizer(folder / "model")
         states = {"optimizer": optimizer_state, "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state()}
         for key, stem in STATE_FILES.items():
@@ -373,12 +432,12 @@ class PolicyWorker:
         header = None
         if ckpt is not None:
             skeleton = fsdp.optimizer_skeleton(self.optimizer, ckpt["optimizer"])
-            error = fsdp.model_state_mismatch(self.model, ckpt["model"]) or (skeleton if isinstance(skeleton, str) else None)
+            error = fsdp.model_state_mismatch(self.model, ckpt["model"], self.peft is not None) or (skeleton if isinstance(skeleton, str) else None)
             header = {"error": error, "optimizer": skeleton, "scheduler": ckpt["scheduler"], "rng": ckpt["rng"]}
         header = fsdp.broadcast_object(header)
         if header["error"]:
             raise RuntimeError(f"checkpoint {folder} does not match the model: {header['error']}")
-        fsdp.scatter_model_state(self.model, ckpt["model"] if ckpt is not None else {})
+        fsdp.scatter_model_state(self.model, ckpt["model"] if ckpt is not None else {}, strict=self.peft is None)
         self.optimizer.load_state_dict(
             fsdp.scatter_optimizer_state(self.optimizer, header["optimizer"], ckpt["optimizer"] if ckpt is not None else None))
         return header
@@ -430,6 +489,8 @@ class PolicyWorker:
 
         if self.cfg.dtensor_cfg.activation_checkpointing:
             self.model.gradient_checkpointing_enable()
+            if self.peft is not None:  # frozen embeddings: checkpointed layers need an input that requires grad
+                self.model.enable_input_require_grads()
         on_gpu = torch.cuda.is_available()
         if on_gpu:
             self._home = torch.device("cuda", torch.cuda.current_device())
