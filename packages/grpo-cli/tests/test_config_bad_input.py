@@ -161,7 +161,7 @@ def test_value_optimizer_is_checked_for_ppo(capsys):
 @pytest.mark.parametrize(
     "overrides, key, words",
     [
-        (["+env.nosuch.num_workers=1"], "env.nosuch", "unknown environment; registered: arithmetic, code, math"),
+        (["+env.nosuch.num_workers=1"], "env.nosuch", "unknown environment; registered: arithmetic, calculator, code, code_interpreter, math"),
         (["+env.arithmetic.difficulty=3"], "env.arithmetic.difficulty", "unknown key (environment 'arithmetic' takes: no settings)"),
         (["+env.math.timeout_s=soon"], "env.math.timeout_s", "Input should be a valid number"),
         (["+env.math.timeout_s='5'"], "env.math.timeout_s", "Input should be a valid number"),
