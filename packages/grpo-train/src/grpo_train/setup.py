@@ -308,8 +308,6 @@ def engine_factories(cfg: GRPOMasterConfig, model_path: str, policy) -> list:
 
 
 def build_components(cfg: GRPOMasterConfig, model_path: str) -> Components:
-    from transformers import AutoTokenizer
-
     from grpo_train.colocation import MemoryChoreography
     from grpo_train.policy.group import PolicyGroup
 
@@ -320,6 +318,9 @@ def build_components(cfg: GRPOMasterConfig, model_path: str) -> Components:
                          colocated_generation=cfg.policy.generation.colocated.enabled, start=False)
     factories = engine_factories(cfg, model_path, policy)
     generator = start_engines(factories)
+    # After the actors are on their way: importing transformers costs the driver ~2-7 CPU-s.
+    from transformers import AutoTokenizer
+
     tokenizer_path = resolve_model_path(cfg.policy.tokenizer.name, "policy.tokenizer.name") if cfg.policy.tokenizer.name else model_path
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     train_sets, val_set = build_datasets(cfg, tokenizer)
