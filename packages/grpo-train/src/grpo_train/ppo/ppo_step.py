@@ -49,9 +49,10 @@ def build_ppo_components(cfg: GRPOMasterConfig, model_path: str) -> PPOComponent
 
     value_path = resolve_model_path(cfg.value.model_name, "value.model_name") if cfg.value.model_name else model_path
     global_batch = cfg.value.train_global_batch_size or cfg.policy.train_global_batch_size
+    value_workers = cfg.value.num_workers if cfg.value is not None else 1  # a PPO config has a value section
     # Started first so that its start-up overlaps the policy's and the generator's.
     value = ValueGroup(value_path, cfg.value, cfg.value_loss_fn, cfg.cluster, global_batch, cfg.grpo.seed,
-                       num_threads=threads_per_actor(ranks_per_node(cfg.cluster, cfg.value.num_workers)), start=False)
+                       num_threads=threads_per_actor(ranks_per_node(cfg.cluster, value_workers)), start=False)
     try:
         parts = build_components(cfg, model_path)
     except BaseException:
