@@ -207,3 +207,17 @@ def test_bad_rows_policy_is_a_checked_key(capsys):
     line = refused(capsys, "config", "validate", TINY, "+data.bad_rows=ignore")
     assert "data.bad_rows" in line and "'refuse' or 'skip'" in line
     assert main(["config", "validate", TINY, "+data.bad_rows=skip"]) == 0
+
+
+def test_train_refuses_a_bad_optimizer_before_any_actor_starts(capsys, monkeypatch, tmp_path):
+    """`grpo train` checks the optimizer beside Ray's start (config.checks.check_optimizers_in_background),
+    not in `_load`: the same one line naming the file and key, exit 2, and build_components (the
+    actors) is never reached."""
+    from grpo_train import setup
+
+    started = []
+    monkeypatch.setattr(setup, "init_ray", lambda *a, **k: started.append("ray"))
+    monkeypatch.setattr(setup, "build_components", lambda *a, **k: started.append("actors"))
+    line = refused(capsys, "train", "-c", TINY, "policy.optimizer.kwargs.lr=-1.0", "--run-dir", str(tmp_path / "run"))
+    assert f"{TINY}: policy.optimizer.kwargs.lr: " in line and "Invalid learning rate: -1.0" in line, line
+    assert started == ["ray"]

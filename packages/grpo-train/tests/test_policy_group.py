@@ -219,3 +219,24 @@ def test_every_actor_gets_every_core_with_passive_openmp_waiting(monkeypatch, co
     env = setup.actor_env_vars()
     assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == str(cores)
     assert env["OMP_WAIT_POLICY"] == "PASSIVE"
+
+
+@pytest.mark.parametrize(("cores", "cluster", "workers", "on_node", "threads"), [
+    (16, {}, 1, 1, 16),  # one rank: every core
+    (16, {}, 4, 4, 4),  # four CPU ranks on one node share its 16 cores
+    (16, {}, 3, 3, 5),  # cores that do not divide: rounded down (never more threads than cores)
+    (2, {}, 4, 4, 1),  # more ranks than cores: one thread each, never zero
+    (16, {"num_nodes": 2}, 4, 2, 8),  # CPU ranks spread over two nodes: two per node
+    (16, {"num_nodes": 2}, 3, 2, 8),  # 3 over 2 nodes: the fuller node has 2
+    (16, {"gpus_per_node": 8}, 4, 4, 4),  # GPU ranks pack a node first
+    (16, {"gpus_per_node": 2, "num_nodes": 2}, 4, 2, 8),  # 2 GPUs a node: 2 ranks share each node
+])
+def test_threads_divide_the_node_among_its_data_parallel_ranks(monkeypatch, cores, cluster, workers, on_node, threads):
+    """threads_per_actor(ranks_per_node(...)): cpu_count // (ranks of the group on one node), so
+    data-parallel ranks that compute at the same time do not oversubscribe the cores."""
+    from grpo_train import setup
+    from grpo_train.config.schema import ClusterConfig
+
+    monkeypatch.setattr(setup.os, "cpu_count", lambda: cores)
+    assert setup.ranks_per_node(ClusterConfig(**cluster), workers) == on_node
+    assert setup.threads_per_actor(setup.ranks_per_node(ClusterConfig(**cluster), workers)) == threads

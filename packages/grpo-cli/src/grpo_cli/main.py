@@ -74,18 +74,24 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(name: str, overrides: list[str], check: bool = True):
+def _load(name: str, overrides: list[str], check: bool = True, optimizers: bool = True):
     """The validated config and its resolved dict; with `check`, also the checks that build the
-    optimizer and look up the environments (grpo_train.config.checks)."""
+    optimizer (unless `optimizers` is false: `grpo train` runs that one beside Ray's start) and
+    look up the environments (grpo_train.config.checks)."""
     from grpo_train.config import load_config
-    from grpo_train.config.loader import find_config
 
     config, raw = load_config(name, overrides, [CONFIG_DIR])
     if check:
         from grpo_train.config.checks import check_config
 
-        check_config(config, str(find_config(name, [CONFIG_DIR])))
+        check_config(config, _config_file(name), optimizers=optimizers)
     return config, raw
+
+
+def _config_file(name: str) -> str:
+    from grpo_train.config.loader import find_config
+
+    return str(find_config(name, [CONFIG_DIR]))
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -104,13 +110,13 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    config, raw = _load(args.config, args.overrides)
+    config, raw = _load(args.config, args.overrides, optimizers=False)  # train checks the optimizers itself
     for key, value in _RUNTIME_ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     from grpo_train.run import train  # heavy: torch, Ray, vLLM
 
     run_name = Path(args.config).stem
-    return train(config, raw, run_name=run_name, run_dir=args.run_dir)
+    return train(config, raw, run_name=run_name, run_dir=args.run_dir, config_file=_config_file(args.config))
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:

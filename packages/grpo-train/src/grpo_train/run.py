@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from grpo_train.config.errors import ConfigError
 from grpo_train.config.schema import GRPOMasterConfig
 from grpo_train.errors import NoIntactCheckpoint, NonFiniteLossError, StartupError, StateFileError
 
@@ -57,7 +58,14 @@ def choose_resume_point(checkpoints, resolved: dict) -> Path | None:
     return folder
 
 
-def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None = None) -> int:
+def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None = None,
+          config_file: str = "<config>") -> int:
+    """A training run; 0, 1 or 2 (the module's exit codes). The optimizer check of the config
+    (`config.checks.check_optimizers`, imports torch._dynamo) runs here, beside Ray's start, and
+    raises its ConfigError (naming `config_file`) before any actor starts."""
+    from grpo_train.config.checks import check_optimizers_in_background
+
+    optimizers_checked = check_optimizers_in_background(cfg, config_file)  # first: the rest imports torch too
     from grpo_train import weight_sync
     from grpo_train.checkpoint import CheckpointManager
     from grpo_train.engine_faults import EngineFailed
@@ -103,9 +111,16 @@ def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None =
         if done >= cfg.grpo.max_num_steps:  # the run's total is at most max_num_steps: no need to start Ray
             say(f"this run already finished {done} steps; pass --run-dir to start a new run")
             return EXIT_OK
+    init_ray(cfg.cluster, actor_env_vars())
+    try:
+        optimizers_checked.result()  # before any actor starts (and before the run folder is written)
+    except ConfigError:
+        import ray
+
+        ray.shutdown()
+        raise
     prepare_run_dir(run_path, raw)
     say(f"run folder {run_path}")
-    init_ray(cfg.cluster, actor_env_vars())
     parts = None
     logger = None
     try:

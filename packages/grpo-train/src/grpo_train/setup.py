@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_train.assets import builtin_model_path
-from grpo_train.config.schema import DatasetConfig, GRPOMasterConfig
+from grpo_train.config.schema import ClusterConfig, DatasetConfig, GRPOMasterConfig
 from grpo_train.errors import StartupError  # re-exported: its old home
 from grpo_train.plan import PlanError, make_plan
 
@@ -179,15 +179,24 @@ def start_local_head(start, shutdown, attempts: int = RAY_START_ATTEMPTS, lock_p
                   f"starting it again (attempt {attempt + 1} of {attempts})", file=sys.stderr)
 
 
-def threads_per_actor() -> int:
-    """Torch threads per actor: every core. Generation, training and environments take turns, so
-    the active phase of a sync step gets the whole machine; `actor_env_vars` makes idle OpenMP
-    threads sleep (OMP_WAIT_POLICY=PASSIVE) instead of spinning, the spinning that once made a
-    tiny model's forward 17x slower with more threads than half the cores. Measured on the 2-core
-    demo (benchmarks/results/perf_profile_cpu.md): 2 threads + passive waiting beat 1 thread.
-    Derived from the machine alone, so a resumed run on the same machine has the same count (and
-    bitwise the same float reductions)."""
-    return max(1, os.cpu_count() or 1)
+def ranks_per_node(cluster: ClusterConfig, num_workers: int) -> int:
+    """Data-parallel ranks of one group that land on the same node, as `policy.group.worker_bundles`
+    places them: on GPUs the ranks pack a node's GPUs first; on CPU they spread over the nodes."""
+    if cluster.gpus_per_node > 0:
+        return max(1, min(num_workers, cluster.gpus_per_node))
+    return max(1, -(-num_workers // cluster.num_nodes))
+
+
+def threads_per_actor(ranks_on_node: int = 1) -> int:
+    """Torch threads per actor: the node's cores divided among the data-parallel ranks that share
+    it (their forwards and backwards run at the same time). Generation, training and environments
+    take turns, so the active phase of a sync step gets the whole machine; `actor_env_vars` makes
+    idle OpenMP threads sleep (OMP_WAIT_POLICY=PASSIVE) instead of spinning, the spinning that once
+    made a tiny model's forward 17x slower with more threads than half the cores. Measured on the
+    2-core demo (benchmarks/results/perf_profile_cpu.md): 2 threads + passive waiting beat 1 thread.
+    Derived from the machine and the config alone, so a resumed run on the same machine has the
+    same count (and bitwise the same float reductions)."""
+    return max(1, (os.cpu_count() or 1) // max(1, ranks_on_node))
 
 
 def actor_env_vars() -> dict[str, str]:
@@ -371,18 +380,19 @@ def engine_factories(cfg: GRPOMasterConfig, model_path: str, policy) -> list:
 
 
 def build_components(cfg: GRPOMasterConfig, model_path: str) -> Components:
-    from transformers import AutoTokenizer
-
     from grpo_train.colocation import MemoryChoreography
     from grpo_train.policy.group import PolicyGroup
 
     # The actors start first: the engine's start-up is the longest wait of a launch, and the
     # tokenizer, the datasets and the environments are built meanwhile.
-    threads = threads_per_actor()
+    threads = threads_per_actor(ranks_per_node(cfg.cluster, cfg.policy.num_workers))
     policy = PolicyGroup(model_path, cfg.policy, cfg.loss_fn, cfg.cluster, cfg.grpo.seed, num_threads=threads,
                          colocated_generation=cfg.policy.generation.colocated.enabled, start=False)
     factories = engine_factories(cfg, model_path, policy)
     generator = start_engines(factories)
+    # After the actors are on their way: importing transformers costs the driver ~2-7 CPU-s.
+    from transformers import AutoTokenizer
+
     tokenizer_path = resolve_model_path(cfg.policy.tokenizer.name, "policy.tokenizer.name") if cfg.policy.tokenizer.name else model_path
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     train_sets, val_set = build_datasets(cfg, tokenizer)

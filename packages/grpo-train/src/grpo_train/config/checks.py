@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 import os
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from pydantic import ConfigDict, ValidationError, create_model
@@ -31,15 +32,38 @@ from grpo_train.config.schema import (
 from grpo_train.generation.base import SCORE_RESERVE  # positions the engines keep free for scoring
 
 
-def check_config(cfg: GRPOMasterConfig, source: str = "<config>") -> None:
-    """Every check below; the first problem raises a ConfigError naming `source` and the key."""
+def check_config(cfg: GRPOMasterConfig, source: str = "<config>", optimizers: bool = True) -> None:
+    """Every check below; the first problem raises a ConfigError naming `source` and the key.
+    `optimizers=False` leaves out the optimizer check, for a caller that runs it itself
+    (`grpo train` overlaps it with Ray's start: `check_optimizers_in_background`)."""
     try:
         check_lengths(cfg)
         check_envs(cfg)
         check_dataset_envs(cfg)
-        check_optimizers(cfg)
+        if optimizers:
+            check_optimizers(cfg)
     except ConfigError as exc:
         raise ConfigError(exc.detail, file=source, key=exc.key) from None
+
+
+def check_optimizers_in_background(cfg: GRPOMasterConfig, source: str = "<config>") -> Future:
+    """`check_optimizers` in a thread; `.result()` waits for it and raises its ConfigError (naming
+    `source`). Building a torch optimizer imports torch and torch._dynamo (about 7 CPU-s, 3.8 of
+    them dynamo's, on the 2-core demo machine: benchmarks/results/perf_profile_cpu.md), and Ray's
+    start is mostly waiting for its processes: run together, the driver's start-up is shorter.
+    The caller must take the result before it starts any actor."""
+
+    def check() -> None:
+        try:
+            check_optimizers(cfg)
+        except ConfigError as exc:
+            raise ConfigError(exc.detail, file=source, key=exc.key) from None
+
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-optimizer-check")
+    try:
+        return pool.submit(check)
+    finally:
+        pool.shutdown(wait=False)  # the thread ends with the check
 
 
 # ------------------------------------------------------------------------------ lengths

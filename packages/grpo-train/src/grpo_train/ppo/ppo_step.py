@@ -45,13 +45,14 @@ def build_ppo_components(cfg: GRPOMasterConfig, model_path: str) -> PPOComponent
     from dataclasses import fields
 
     from grpo_train.ppo.value_group import ValueGroup
-    from grpo_train.setup import build_components, resolve_model_path, threads_per_actor
+    from grpo_train.setup import build_components, ranks_per_node, resolve_model_path, threads_per_actor
 
     value_path = resolve_model_path(cfg.value.model_name, "value.model_name") if cfg.value.model_name else model_path
     global_batch = cfg.value.train_global_batch_size or cfg.policy.train_global_batch_size
+    value_workers = cfg.value.num_workers if cfg.value is not None else 1  # a PPO config has a value section
     # Started first so that its start-up overlaps the policy's and the generator's.
     value = ValueGroup(value_path, cfg.value, cfg.value_loss_fn, cfg.cluster, global_batch, cfg.grpo.seed,
-                       num_threads=threads_per_actor(), start=False)
+                       num_threads=threads_per_actor(ranks_per_node(cfg.cluster, value_workers)), start=False)
     try:
         parts = build_components(cfg, model_path)
     except BaseException:
