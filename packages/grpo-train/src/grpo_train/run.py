@@ -111,13 +111,15 @@ def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None =
         if done >= cfg.grpo.max_num_steps:  # the run's total is at most max_num_steps: no need to start Ray
             say(f"this run already finished {done} steps; pass --run-dir to start a new run")
             return EXIT_OK
+    import ray
+
+    ray_is_ours = not ray.is_initialized()  # a caller's Ray (a notebook, a test session) is left running
     init_ray(cfg.cluster, actor_env_vars())
     try:
         optimizers_checked.result()  # before any actor starts (and before the run folder is written)
     except ConfigError:
-        import ray
-
-        ray.shutdown()
+        if ray_is_ours:
+            ray.shutdown()
         raise
     prepare_run_dir(run_path, raw)
     say(f"run folder {run_path}")
