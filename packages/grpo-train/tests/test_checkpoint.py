@@ -247,3 +247,24 @@ def test_load_rng_state_rejects_another_file(tmp_path):
     save_state({"weights": 1}, tmp_path, "rng")
     with pytest.raises(ValueError, match="not an RNG state file"):
         load_rng_state(tmp_path)
+
+
+def test_eval_checkpoint_path_is_policy_model_and_refuses_missing_or_damaged(tmp_path):
+    """`grpo eval --checkpoint` (run.checkpoint_model_path): serves <checkpoint>/policy/model of an intact
+    checkpoint; one without that folder, or whose files no longer match the manifest, is refused by name."""
+    from grpo_train.errors import StartupError
+    from grpo_train.run import checkpoint_model_path
+
+    def write(folder: Path) -> None:
+        (folder / "policy" / "model").mkdir(parents=True)
+        (folder / "policy" / "model" / "config.json").write_text("{}")
+
+    manager = CheckpointManager(tmp_path / "ckpt")
+    good = manager.save(1, write, {"step": 1})
+    assert checkpoint_model_path(str(good)) == str(good / "policy" / "model")
+    bare = manager.save(2, lambda folder: None, {"step": 2})
+    with pytest.raises(StartupError, match="has no policy/model folder"):
+        checkpoint_model_path(str(bare))
+    (good / "policy" / "model" / "config.json").write_text('{"changed": 1}')
+    with pytest.raises(StartupError, match="is damaged"):
+        checkpoint_model_path(str(good))

@@ -176,6 +176,58 @@ def test_hf_generator_refit_takes_effect(model_dir, base_model):
 
 
 @pytest.mark.slow
+# Tests that push into `vllm_gen` must come before test_generation_actors_through_ray, which shuts it down.
+def trained_lora_worker(model_dir):
+    """A LoRA policy worker (dim 4, alpha 8) after two AdamW steps: its adapters are non-zero."""
+    from grpo_train.config.schema import LossConfig, PolicyConfig
+    from grpo_train.policy.worker import PolicyWorker
+
+    cfg = PolicyConfig(precision="float32", train_global_batch_size=4, train_micro_batch_size=4, logprob_batch_size=4,
+                       max_grad_norm=None, generation={"temperature": TEMPERATURE},
+                       optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": 5e-2, "weight_decay": 0.0}},
+                       dtensor_cfg={"lora_cfg": {"enabled": True, "dim": 4, "alpha": 8}})
+    worker = PolicyWorker(model_dir, cfg, LossConfig(reference_policy_kl_penalty=0.0), seed=0)
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(2):
+        ids = torch.randint(3, 64, (4, 24), generator=gen)
+        mask = torch.ones_like(ids)
+        token_mask = mask.float()
+        batch = {"input_ids": ids, "attention_mask": mask, "token_mask": token_mask, "sample_mask": torch.ones(4),
+                 "gen_logprobs": torch.zeros(4, 24), "advantages": torch.randn(4, 1, generator=gen) * token_mask}
+        worker.train(batch)
+    return worker
+
+
+def lora_probe(worker) -> tuple[list[list[int]], list[int], list[list[float]]]:
+    """Probe sequences, their prompt lengths and the LoRA worker's scores of them; checks that the
+    adapters moved the policy away from the base (else agreeing with the trainer proves nothing)."""
+    seqs = [p + [5, 6, 7, 8, 9, 10] for p in PROBE_PROMPTS]
+    plens = [len(p) for p in PROBE_PROMPTS]
+    expected = worker.score(seqs, plens)
+    with torch.no_grad():
+        base = worker.logprobs({"input_ids": torch.tensor([seqs[0]]), "attention_mask": torch.ones(1, len(seqs[0]))},
+                               reference=True)[0, plens[0]:].tolist()
+    assert diff([expected[0]], [base]) > 0.05
+    return seqs, plens, expected
+
+
+def test_lora_merged_refit_passes_the_gate(vllm_gen, model_dir):
+    """LoRA (policy.dtensor_cfg.lora_cfg, refit: merged): the engine gets plain base-named
+    weights with B.A merged in, and scores like the trainer's adapted model within the fp32
+    gate; the trainer's own weights are bitwise the same after the push (no merge left behind)."""
+    from grpo_train.weight_sync import DEFAULT_LIMITS, gate_refit
+
+    worker = trained_lora_worker(model_dir)
+    seqs, plens, expected = lora_probe(worker)
+    before = {k: v.clone() for k, v in worker.model.state_dict().items()}
+    weights = worker.weights()
+    assert not any(".lora_" in k or ".base_layer" in k for k in weights)
+    vllm_gen.update_weights(weights, 11)
+    assert all(torch.equal(before[k], v) for k, v in worker.model.state_dict().items())
+    stats = gate_refit(expected, vllm_gen.score(seqs, plens), DEFAULT_LIMITS["float32"])
+    print(f"\n[measure] LoRA merged refit: max |dlogprob| {stats.max_abs_diff:.2e}, mean {stats.mean_abs_diff:.2e}")
+
+
 def test_generation_actors_through_ray(ray_session, model_dir, base_model):
     """generate / update_weights / score / reseed via .remote() on a vLLM actor, then an HF one."""
     ray = ray_session
@@ -261,38 +313,23 @@ def test_state_dict_for_refit_names_and_tied_weights(base_model):
     assert "lm_head.weight" in state_dict_for_refit(untied)
 
 
-def test_lora_merged_refit_passes_the_gate(vllm_gen, model_dir):
-    """LoRA (policy.dtensor_cfg.lora_cfg, refit: merged): the engine gets plain base-named
-    weights with B.A merged in, and scores like the trainer's adapted model within the fp32
-    gate; the trainer's own weights are bitwise the same after the push (no merge left behind)."""
-    from grpo_train.config.schema import LossConfig, PolicyConfig
-    from grpo_train.policy.worker import PolicyWorker
+def test_eval_checkpoint_of_a_lora_run_scores_like_the_trainer(model_dir, tmp_path):
+    """`grpo eval --checkpoint` on a LoRA checkpoint: the run's checkpoint writer (CheckpointManager
+    with the worker's save, as run_state does) and eval's own resolution (`checkpoint_model_path`)
+    give a folder that a fresh vLLM engine loads as a plain model and that scores like the LoRA
+    trainer that saved it, within the fp32 refit gate."""
+    from grpo_train.checkpoint import CheckpointManager
+    from grpo_train.run import checkpoint_model_path
     from grpo_train.weight_sync import DEFAULT_LIMITS, gate_refit
 
-    cfg = PolicyConfig(precision="float32", train_global_batch_size=4, train_micro_batch_size=4, logprob_batch_size=4,
-                       max_grad_norm=None, generation={"temperature": TEMPERATURE},
-                       optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": 5e-2, "weight_decay": 0.0}},
-                       dtensor_cfg={"lora_cfg": {"enabled": True, "dim": 4, "alpha": 8}})
-    worker = PolicyWorker(model_dir, cfg, LossConfig(reference_policy_kl_penalty=0.0), seed=0)
-    gen = torch.Generator().manual_seed(7)
-    for _ in range(2):
-        ids = torch.randint(3, 64, (4, 24), generator=gen)
-        mask = torch.ones_like(ids)
-        token_mask = mask.float()
-        batch = {"input_ids": ids, "attention_mask": mask, "token_mask": token_mask, "sample_mask": torch.ones(4),
-                 "gen_logprobs": torch.zeros(4, 24), "advantages": torch.randn(4, 1, generator=gen) * token_mask}
-        worker.train(batch)
-    seqs = [p + [5, 6, 7, 8, 9, 10] for p in PROBE_PROMPTS]
-    plens = [len(p) for p in PROBE_PROMPTS]
-    expected = worker.score(seqs, plens)
-    with torch.no_grad():  # the adapters moved the policy away from the base (else the check proves nothing)
-        base = worker.logprobs({"input_ids": torch.tensor([seqs[0]]), "attention_mask": torch.ones(1, len(seqs[0]))},
-                               reference=True)[0, plens[0]:].tolist()
-    assert diff([expected[0]], [base]) > 0.05
-    before = {k: v.clone() for k, v in worker.model.state_dict().items()}
-    weights = worker.weights()
-    assert not any(".lora_" in k or ".base_layer" in k for k in weights)
-    vllm_gen.update_weights(weights, 11)
-    assert all(torch.equal(before[k], v) for k, v in worker.model.state_dict().items())
-    stats = gate_refit(expected, vllm_gen.score(seqs, plens), DEFAULT_LIMITS["float32"])
-    print(f"\n[measure] LoRA merged refit: max |dlogprob| {stats.max_abs_diff:.2e}, mean {stats.mean_abs_diff:.2e}")
+    worker = trained_lora_worker(model_dir)
+    seqs, plens, expected = lora_probe(worker)
+    saved = CheckpointManager(tmp_path / "checkpoints").save(2, lambda folder: worker.save(str(folder / "policy")),
+                                                              {"step": 2})
+    engine = VllmGenerator(checkpoint_model_path(str(saved)), max_model_len=MAX_MODEL_LEN,
+                           temperature_for_logprobs=TEMPERATURE, kv_cache_space_gb=KV_GB)
+    try:
+        stats = gate_refit(expected, engine.score(seqs, plens), DEFAULT_LIMITS["float32"])
+    finally:
+        engine.shutdown()
+    print(f"\n[measure] LoRA checkpoint served by a fresh engine: max |dlogprob| {stats.max_abs_diff:.2e}")

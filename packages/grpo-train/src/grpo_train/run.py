@@ -183,21 +183,29 @@ def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None =
             parts.shutdown()
 
 
+def checkpoint_model_path(checkpoint: str) -> str:
+    """The model folder `grpo eval --checkpoint` serves: policy/model, an HF model in the compute dtype (for a
+    LoRA run, the base with the adapters merged in), after the checkpoint's manifest checks out."""
+    from grpo_train.state_io import verify_manifest
+
+    model_path = Path(checkpoint) / "policy" / "model"
+    if not model_path.is_dir():
+        raise StartupError(f"--checkpoint: {checkpoint} has no policy/model folder")
+    if (problem := verify_manifest(Path(checkpoint))) is not None:
+        raise StartupError(f"--checkpoint: {checkpoint} is damaged: {problem}")
+    return str(model_path)
+
+
 def evaluate(cfg: GRPOMasterConfig, raw: dict, checkpoint: str | None = None) -> int:
     """Validation metrics of the config's model (or a checkpoint's policy) on its validation set."""
     import json
 
     from grpo_train.setup import actor_env_vars, build_components, init_ray, resolve_model_path
-    from grpo_train.state_io import verify_manifest
     from grpo_train.step import sampling_spec
     from grpo_train.validation import validate, validation_turns
 
     try:
-        model_path = str(Path(checkpoint) / "policy" / "model") if checkpoint else resolve_model_path(cfg.policy.model_name)
-        if checkpoint and not Path(model_path).is_dir():
-            raise StartupError(f"--checkpoint: {checkpoint} has no policy/model folder")
-        if checkpoint and (problem := verify_manifest(Path(checkpoint))) is not None:
-            raise StartupError(f"--checkpoint: {checkpoint} is damaged: {problem}")
+        model_path = checkpoint_model_path(checkpoint) if checkpoint else resolve_model_path(cfg.policy.model_name)
         init_ray(cfg.cluster, actor_env_vars())
         parts = build_components(cfg, model_path)
     except StartupError as exc:

@@ -352,8 +352,8 @@ class LoRAConfig(Section):
     """Initialisation of lora_A (lora_B starts at zero): xavier-uniform (NeMo's) or kaiming-uniform (peft's)."""
     refit: Literal["merged", "adapter"] = "merged"
     """How the generator gets the policy: "merged" pushes base-named weights with W + B.A.alpha/dim merged
-    in (the trainer's module is never merged in place). "adapter" (push only adapter tensors) is not
-    implemented yet."""
+    in (the trainer's module is never merged in place). "adapter" (push only adapter tensors) is refused:
+    the locked vLLM CPU build runs LoRA adapters (measured), but grpo's refit path does not push them yet."""
 
     @field_validator("dim")
     @classmethod
@@ -373,7 +373,8 @@ class LoRAConfig(Section):
     @classmethod
     def _merged_only(cls, value: str) -> str:
         if value == "adapter":
-            raise ValueError("refit by adapter tensors (vLLM LoRA) is not implemented yet; set merged")
+            raise ValueError("refit by adapter tensors is not wired into grpo's refit path yet (vLLM's CPU build "
+                             "does run LoRA adapters: benchmarks/results/lora_cpu.md); set merged")
         return value
 
     @model_validator(mode="after")
