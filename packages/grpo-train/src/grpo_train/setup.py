@@ -99,6 +99,13 @@ def check_model_options(cfg: GRPOMasterConfig, model_path: str) -> None:
             check_moe_config(AutoConfig.from_pretrained(model_path))
         except NotMoEError as exc:
             raise StartupError(f"policy.moe_aux_loss_coeff: {exc}") from None
+    if (tp := cfg.policy.dtensor_cfg.tensor_parallel_size) > 1:
+        from transformers import AutoConfig
+
+        from grpo_train.policy.tensor_parallel import tp_size_problem  # torch: only for TP runs
+
+        if (problem := tp_size_problem(AutoConfig.from_pretrained(model_path), tp)) is not None:
+            raise StartupError(f"policy.dtensor_cfg.tensor_parallel_size: {problem}")
     if cfg.policy.dtensor_cfg.lora_cfg.enabled:
         from grpo_train.policy.lora import LoRAConfigError, check_lora_for_model_path  # torch: only for LoRA runs
 
