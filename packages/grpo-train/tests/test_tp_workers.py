@@ -89,3 +89,31 @@ def test_tp2_ranks_match_one_worker(ray_session, tiny_qwen2_dir, tmp_path, sp, p
         assert_close_rel(saved, w1, "checkpoint (unsharded HF format)")
     finally:
         group.close()
+
+
+def test_bad_tensor_parallel_input_is_refused_at_its_key_before_training(tiny_qwen2_dir):
+    """tensor_parallel_size must divide the ranks (config check) and the model's heads, KV heads
+    and vocabulary (startup check, before any actor); SP and a custom plan need TP > 1."""
+    from grpo_train.config import validate_config_dict
+    from grpo_train.config.errors import ConfigError
+    from grpo_train.config.schema import GRPOMasterConfig
+    from grpo_train.setup import StartupError, check_model_options
+
+    def dtensor(num_workers: int = 2, **cfg) -> dict:
+        return {"policy": {"num_workers": num_workers, "train_global_batch_size": 4, "dtensor_cfg": cfg}}
+
+    check_model_options(GRPOMasterConfig(**dtensor(tensor_parallel_size=2)), tiny_qwen2_dir)  # 2 heads, vocab 64
+    with pytest.raises(StartupError, match=r"^policy.dtensor_cfg.tensor_parallel_size: 4 does not divide the "
+                                           r"model's num_attention_heads=2, num_key_value_heads=2"):
+        check_model_options(GRPOMasterConfig(**dtensor(4, tensor_parallel_size=4)), tiny_qwen2_dir)
+    cases = [
+        (dtensor(3, tensor_parallel_size=2), "policy.dtensor_cfg.tensor_parallel_size (2) must divide policy.num_workers (3)"),
+        (dtensor(sequence_parallel=True), "policy.dtensor_cfg.sequence_parallel"),
+        (dtensor(custom_parallel_plan="my.plan:x"), "policy.dtensor_cfg.custom_parallel_plan"),
+        (dtensor(tensor_parallel_size=2, custom_parallel_plan="my.plan"), "expected 'module:object'"),
+        (dtensor(tensor_parallel_size=2, lora_cfg={"enabled": True}), "LoRA adapters on tensor-parallel layers"),
+    ]
+    for config, message in cases:
+        with pytest.raises(ConfigError) as err:
+            validate_config_dict(config)
+        assert message in str(err.value), str(err.value)
