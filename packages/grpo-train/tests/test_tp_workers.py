@@ -18,11 +18,13 @@ from safetensors.torch import load_file
 
 from grpo_train.config.schema import ClusterConfig, DTensorConfig, LossConfig, PolicyConfig
 from grpo_train.policy.group import PolicyGroup
+from grpo_train.weight_transport import open_group, receive_buckets
 
 VOCAB = 64
 RTOL = 1e-5
 ATOL = 1e-9  # k_proj.bias: an exactly-zero gradient in exact arithmetic (see test_fsdp.py)
 LOSS = LossConfig(reference_policy_kl_penalty=0.05)
+BUCKET_BYTES = 64 * 1024  # several buckets per push of the tiny model
 
 
 def policy_cfg(num_workers: int, tp: int, sp: bool = False, packing: bool = False) -> PolicyConfig:
@@ -48,6 +50,20 @@ def make_batch(B: int, seed: int) -> dict[str, torch.Tensor]:
             "attention_mask": attention_mask, "token_mask": token_mask,
             "gen_logprobs": -torch.rand(B, S, generator=g) * token_mask,
             "advantages": torch.randn(B, generator=g)[:, None] * token_mask, "sample_mask": sample_mask}
+
+
+def collective_refit(group) -> dict[str, torch.Tensor]:
+    """The weights as a separately placed engine receives them, bucket by bucket, over the collective
+    transport (this process is the receiving rank of a real gloo group)."""
+    metas = ray.get(group.weight_metadata.remote())
+    host, port = ray.get(group.free_address.remote())
+    opened = group.open_weight_group.remote(host, port, 2, "gloo")
+    receiver = open_group(host, port, 1, 2, "gloo")
+    ray.get(opened)
+    sent = group.send_weights.remote(BUCKET_BYTES)
+    received = {name: t.clone() for name, t in receive_buckets(receiver, metas, BUCKET_BYTES, torch.device("cpu"))}
+    assert ray.get(sent) > 1
+    return received
 
 
 def assert_close_rel(got: dict, want: dict, what: str) -> None:
@@ -83,7 +99,8 @@ def test_tp2_ranks_match_one_worker(ray_session, tiny_qwen2_dir, tmp_path, sp, p
         assert_close_rel(ray.get(group.gradients.remote()), single.gradients(), "gradients")
         w1 = single.weights()
         assert "lm_head.weight" not in w1  # tied: once, as the embedding
-        assert_close_rel(ray.get(group.weights.remote()), w1, "refit weights")
+        assert_close_rel(ray.get(group.weights.remote()), w1, "object_store refit")
+        assert_close_rel(collective_refit(group), w1, "collective refit (rank 0 sends, every rank gathers)")
         ray.get(group.save.remote(str(tmp_path / "saved")))
         saved = load_file(Path(tmp_path / "saved" / "model" / "model.safetensors"))
         assert_close_rel(saved, w1, "checkpoint (unsharded HF format)")

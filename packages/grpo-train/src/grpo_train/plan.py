@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -308,14 +309,14 @@ def make_plan(cfg: GRPOMasterConfig, gpu_memory_gb: float | None = None, model_p
     return plan
 
 
-def _tp_groups(plan: Plan, ranks: list[tuple[int | None, int | None]], tp_size: int, gpus_per_node: int) -> None:
+def _tp_groups(plan: Plan, ranks: Sequence[tuple[int | None, int | None]], tp_size: int, gpus_per_node: int) -> None:
     """The policy's tensor-parallel groups (ranks d * tp .. d * tp + tp - 1) and the node(s) each sits
     on; a group split across nodes (tp not dividing cluster.gpus_per_node) is a problem."""
     if tp_size == 1:
         return
     for d in range(len(ranks) // tp_size):
         members = range(d * tp_size, (d + 1) * tp_size)
-        nodes = sorted({ranks[r][0] for r in members if ranks[r][0] is not None})
+        nodes = sorted({node for r in members if (node := ranks[r][0]) is not None})
         where = ("node " + ", ".join(map(str, nodes))) if nodes else "one CPU rank per bundle"
         plan.tp_groups.append(f"dp group {d}: policy ranks {members[0]}-{members[-1]} on {where}")
     if gpus_per_node and gpus_per_node % tp_size:

@@ -121,11 +121,13 @@ def sum_local_gradients(params: list[torch.nn.Parameter], group) -> None:
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
     from torch.distributed.tensor import DTensor
 
-    params = [p for p in params if p.requires_grad]
+    local: list[torch.Tensor] = []
     for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+        if not p.requires_grad:
+            continue
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        p.grad = grad
+        local.append(grad.to_local() if isinstance(grad, DTensor) else grad)
     flat = _flatten_dense_tensors(local)
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     with torch.no_grad():

@@ -488,9 +488,10 @@ class PolicyWorker:
                 "pid": os.getpid(), "rank": self.rank}
 
     def init_distributed(self, master_addr: str, port: int) -> bool:
-        """Join the data-parallel group (NCCL on GPUs, gloo on CPU) and, as `dtensor_cfg.enabled`
-        says (`fsdp.uses_fsdp`), shard the model with FSDP2. Every rank calls it at once;
-        returns whether this rank is sharded."""
+        """Join the process group (NCCL on GPUs, gloo on CPU); under `dtensor_cfg.tensor_parallel_size`
+        > 1 build the dp x tp mesh and tensor-parallelize the model over tp (`_tensor_parallel`); and,
+        as `dtensor_cfg.enabled` says (`fsdp.uses_fsdp`, counted in dp ranks), shard it with FSDP2 over
+        dp. Every rank calls it at once; returns whether this rank's parameters are DTensors."""
         import torch.distributed as dist
 
         if self.cfg.dtensor_cfg.activation_checkpointing:
@@ -534,7 +535,7 @@ class PolicyWorker:
         for model in (self.model, self.reference):
             if model is not None:
                 if device_type == "cuda":
-                    model.to(torch.device("cuda", torch.cuda.current_device()))
+                    torch.nn.Module.to(model, torch.device("cuda", torch.cuda.current_device()))
                 apply_tensor_parallel(model, mesh["tp"], dcfg.sequence_parallel, dcfg.custom_parallel_plan)
         # fp32 masters over the TP shards; the compute dtype's copy unless FSDP2 follows (its mixed precision)
         self.master = MasterWeights(self.model, masters_dtype)
