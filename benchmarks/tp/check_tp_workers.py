@@ -4,7 +4,8 @@ for the test suite on the project's 2-core machine, run by hand.
     RAY_ENABLE_UV_RUN_RUNTIME_ENV=0 uv run --no-sync python benchmarks/tp/check_tp_workers.py [case ...]
 
 Cases: fsdp (dp=2 x tp=2, FSDP2 over the dp sub-mesh), allreduce (dp=2 x tp=2, gradients summed over the
-dp group), bf16 (tp=2, policy.precision=bfloat16: fp32 masters over the TP shards). Each: the real
+dp group), bf16 (dp=2 x tp=2, FSDP2, policy.precision=bfloat16: FSDP2's mixed precision; TP with bf16 and
+no FSDP2 is refused at startup). Each: the real
 PolicyGroup (Ray actors, gloo mesh) loads one in-process worker's checkpoint, then both score and take one
 optimizer step on the same batch; prints the largest relative differences (logprobs, metrics, gradients,
 updated weights); exits 1 above the tolerance (1e-5 fp32; bf16: equal logprobs within 2e-2 abs, gradients
@@ -27,7 +28,7 @@ from grpo_train.policy.group import PolicyGroup  # noqa: E402
 from grpo_train.policy.worker import PolicyWorker  # noqa: E402
 from test_tp_workers import LOSS, make_batch  # noqa: E402
 
-CASES = {"fsdp": (4, True, "float32"), "allreduce": (4, None, "float32"), "bf16": (2, None, "bfloat16")}
+CASES = {"fsdp": (4, True, "float32"), "allreduce": (4, None, "float32"), "bf16": (4, True, "bfloat16")}
 
 
 def cfg(num_workers: int, tp: int, enabled, precision: str) -> PolicyConfig:
@@ -70,7 +71,10 @@ def run(case: str, model_dir: str, folder: str) -> float:
 
 def main() -> int:
     cases = sys.argv[1:] or list(CASES)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    from grpo_train.setup import start_local_head
+
+    start_local_head(lambda: ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                                      configure_logging=False), ray.shutdown)
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
         build_tiny_model(f"{tmp}/model")

@@ -117,12 +117,23 @@ def test_bad_tensor_parallel_input_is_refused_at_its_key_before_training(tiny_qw
     from grpo_train.setup import StartupError, check_model_options
 
     def dtensor(num_workers: int = 2, **cfg) -> dict:
-        return {"policy": {"num_workers": num_workers, "train_global_batch_size": 4, "dtensor_cfg": cfg}}
+        return {"policy": {"num_workers": num_workers, "train_global_batch_size": 4, "precision": "float32",
+                           "dtensor_cfg": cfg}}
 
     check_model_options(GRPOMasterConfig(**dtensor(tensor_parallel_size=2)), tiny_qwen2_dir)  # 2 heads, vocab 64
     with pytest.raises(StartupError, match=r"^policy.dtensor_cfg.tensor_parallel_size: 4 does not divide the "
                                            r"model's num_attention_heads=2, num_key_value_heads=2"):
         check_model_options(GRPOMasterConfig(**dtensor(4, tensor_parallel_size=4)), tiny_qwen2_dir)
+    for precision, cluster, enabled, refused in [("bfloat16", {}, None, True), ("bfloat16", {"gpus_per_node": 4}, False, True),
+                                                  ("bfloat16", {"gpus_per_node": 4}, None, False),
+                                                  ("bfloat16", {}, True, True)]:  # dp 1 on CPU: no FSDP2
+        config = dtensor(tensor_parallel_size=2, enabled=enabled)
+        config["policy"]["precision"], config["cluster"] = precision, cluster
+        if refused:
+            with pytest.raises(StartupError, match=r"^policy.precision: bfloat16 with policy.dtensor_cfg.tensor_para"):
+                check_model_options(GRPOMasterConfig(**config), tiny_qwen2_dir)
+        else:
+            check_model_options(GRPOMasterConfig(**config), tiny_qwen2_dir)
     cases = [
         (dtensor(3, tensor_parallel_size=2), "policy.dtensor_cfg.tensor_parallel_size (2) must divide policy.num_workers (3)"),
         (dtensor(sequence_parallel=True), "policy.dtensor_cfg.sequence_parallel"),
