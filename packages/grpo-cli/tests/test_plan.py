@@ -154,3 +154,29 @@ def test_parameter_count_includes_every_expert(name):
     config = transformers.AutoConfig.for_model(name, **common, **extra)
     model = transformers.AutoModelForCausalLM.from_config(config)
     assert params_from_config(config.to_dict()) == sum(p.numel() for p in model.parameters())
+
+
+def test_plan_shows_policy_tensor_parallel_groups_per_node(capsys):
+    """policy.dtensor_cfg.tensor_parallel_size=2 over 4 ranks on 2 nodes of 2 GPUs: dp groups {0,1} on
+    node 0 and {2,3} on node 1; each rank's trainer state is its 1/tp TP shard (FSDP2 divides by dp on top);
+    a TP size that does not divide the GPUs of a node is refused at its key."""
+    def cfg(tp: int, num_workers: int, gpus_per_node: int):
+        return validate_config_dict({
+            "policy": {"model_name": "builtin:arith-tiny", "num_workers": num_workers, "train_global_batch_size": 128,
+                       "dtensor_cfg": {"tensor_parallel_size": tp}},
+            "cluster": {"gpus_per_node": gpus_per_node, "num_nodes": 2},
+        })
+
+    plan = make_plan(cfg(2, 4, 2), 80)
+    assert plan.tp_groups == ["dp group 0: policy ranks 0-1 on node 0", "dp group 1: policy ranks 2-3 on node 1"]
+    assert [a.name for a in plan.actors if a.name.startswith("policy")] == [
+        f"policy rank {r} (dp {r // 2}, tp {r % 2})" for r in range(4)]
+    assert "policy tensor-parallel groups:" in plan.render() and not plan.problems
+    one = make_plan(cfg(1, 4, 2), 80)  # FSDP2 over 4 ranks: the same division as dp 2 x tp 2
+    assert plan.gpus[0].parts["gradients"] == pytest.approx(one.gpus[0].parts["gradients"])
+    alone = make_plan(cfg(1, 2, 2).model_copy(update={"cluster": cfg(1, 2, 2).cluster.model_copy(
+        update={"num_nodes": 1})}), 80)  # FSDP2 over 2 ranks: twice a dp 2 x tp 2 rank's share
+    assert alone.gpus[0].parts["gradients"] == pytest.approx(2 * plan.gpus[0].parts["gradients"])
+    split = make_plan(cfg(3, 6, 4), 80)
+    assert split.tp_groups[1] == "dp group 1: policy ranks 3-5 on node 0, 1"
+    assert split.problems[0].startswith("policy.dtensor_cfg.tensor_parallel_size (3) must divide cluster.gpus_per_node (4)")

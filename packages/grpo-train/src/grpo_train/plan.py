@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -186,6 +187,7 @@ class Plan:
     model: ModelSize
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    tp_groups: list[str] = field(default_factory=list)  # the policy's tensor-parallel groups and their nodes
 
     def render(self) -> str:
         lines = [f"model: {self.model.params / 1e9:.3f} B parameters ({self.model.source})", "actors:"]
@@ -193,6 +195,9 @@ class Plan:
             where = "any node" if a.node is None else f"node {a.node}"
             gpu = f"GPU {a.device} x {a.gpu:g}" if a.device is not None else "no GPU"
             lines.append(f"  {a.name:<28} {where:<9} bundle {a.bundle:<26} {gpu}")
+        if self.tp_groups:
+            lines.append("policy tensor-parallel groups:")
+            lines += [f"  {group}" for group in self.tp_groups]
         if self.gpus:
             cap = f" of {self.gpu_memory_gb:g} GB" if self.gpu_memory_gb else ""
             lines.append(f"memory per GPU (GB{cap}; activations and CUDA context not included):")
@@ -228,8 +233,10 @@ def make_plan(cfg: GRPOMasterConfig, gpu_memory_gb: float | None = None, model_p
     P = model.params
     b = DTYPE_BYTES[policy.precision]
     workers = policy.num_workers
-    sharded = bool(g) and policy.dtensor_cfg.enabled is not False and workers > 1
-    div = workers if sharded else 1
+    tp_size = policy.dtensor_cfg.tensor_parallel_size  # ranks dp_rank * tp + tp_rank; TP shards every rank's model
+    dp = workers // tp_size
+    sharded = bool(g) and policy.dtensor_cfg.enabled is not False and dp > 1
+    div = (dp if sharded else 1) * tp_size
     kl = cfg.loss_fn.reference_policy_kl_penalty > 0
     next_gpu = 0
 
@@ -238,7 +245,8 @@ def make_plan(cfg: GRPOMasterConfig, gpu_memory_gb: float | None = None, model_p
     next_gpu += workers if g else 0
     for r, (node, dev) in enumerate(ranks):
         bundle = f"policy[{r}] {{GPU:1,CPU:1}}" if g else f"policy[{r}] {{CPU:1}}"
-        actors.append(Actor(f"policy rank {r}", node, bundle, 1.0 if g else 0.0, dev))
+        name = f"policy rank {r}" + (f" (dp {r // tp_size}, tp {r % tp_size})" if tp_size > 1 else "")
+        actors.append(Actor(name, node, bundle, 1.0 if g else 0.0, dev))
         if kl:
             actors.append(Actor(f"  reference (in rank {r})", node, bundle, 0.0, dev))
         if g:
@@ -296,8 +304,24 @@ def make_plan(cfg: GRPOMasterConfig, gpu_memory_gb: float | None = None, model_p
                                 env_gpus, dev))
 
     plan = Plan(actors, gpus, gpu_memory_gb if g else None, model)
+    _tp_groups(plan, ranks, tp_size, g)
     _check(cfg, plan, next_gpu)
     return plan
+
+
+def _tp_groups(plan: Plan, ranks: Sequence[tuple[int | None, int | None]], tp_size: int, gpus_per_node: int) -> None:
+    """The policy's tensor-parallel groups (ranks d * tp .. d * tp + tp - 1) and the node(s) each sits
+    on; a group split across nodes (tp not dividing cluster.gpus_per_node) is a problem."""
+    if tp_size == 1:
+        return
+    for d in range(len(ranks) // tp_size):
+        members = range(d * tp_size, (d + 1) * tp_size)
+        nodes = sorted({node for r in members if (node := ranks[r][0]) is not None})
+        where = ("node " + ", ".join(map(str, nodes))) if nodes else "one CPU rank per bundle"
+        plan.tp_groups.append(f"dp group {d}: policy ranks {members[0]}-{members[-1]} on {where}")
+    if gpus_per_node and gpus_per_node % tp_size:
+        plan.problems.append(f"policy.dtensor_cfg.tensor_parallel_size ({tp_size}) must divide cluster.gpus_per_node "
+                             f"({gpus_per_node}): a tensor-parallel group's ranks stay on one node")
 
 
 def _trainer_memory(load: GpuLoad, P: int, b: int, div: int, reference: bool, offload: bool) -> None:

@@ -99,6 +99,22 @@ def check_model_options(cfg: GRPOMasterConfig, model_path: str) -> None:
             check_moe_config(AutoConfig.from_pretrained(model_path))
         except NotMoEError as exc:
             raise StartupError(f"policy.moe_aux_loss_coeff: {exc}") from None
+    if (tp := cfg.policy.dtensor_cfg.tensor_parallel_size) > 1:
+        from transformers import AutoConfig
+
+        from grpo_train.policy.fsdp import uses_fsdp
+        from grpo_train.policy.tensor_parallel import tp_size_problem  # torch: only for TP runs
+
+        if (problem := tp_size_problem(AutoConfig.from_pretrained(model_path), tp)) is not None:
+            raise StartupError(f"policy.dtensor_cfg.tensor_parallel_size: {problem}")
+        dp = cfg.policy.num_workers // tp
+        if cfg.policy.precision != "float32" and not uses_fsdp(cfg.policy.dtensor_cfg, cfg.cluster.gpus_per_node > 0, dp):
+            raise StartupError(
+                f"policy.precision: {cfg.policy.precision} with policy.dtensor_cfg.tensor_parallel_size {tp} keeps its "
+                f"fp32 masters in FSDP2's mixed precision, and this run has no FSDP2 (policy.dtensor_cfg.enabled "
+                f"{cfg.policy.dtensor_cfg.enabled}, {dp} data-parallel rank(s), "
+                f"{'GPUs' if cfg.cluster.gpus_per_node else 'CPU ranks'}); set float32 or policy.dtensor_cfg.enabled "
+                f"true with more than one data-parallel rank")
     if cfg.policy.dtensor_cfg.lora_cfg.enabled:
         from grpo_train.policy.lora import LoRAConfigError, check_lora_for_model_path  # torch: only for LoRA runs
 

@@ -395,47 +395,50 @@ class DTensorConfig(Section):
     over a gloo device mesh (the sharded path CI tests; needs policy.num_workers > 1); false: never."""
     cpu_offload: bool = False
     """FSDP2 keeps parameters, gradients and optimizer state in CPU memory between uses (GPUs)."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """Tensor-parallel ranks per model replica (torch.distributed.tensor.parallel plan by architecture, or
+    custom_parallel_plan): policy.num_workers ranks form a (num_workers / tp) x tp mesh; rows split over the dp
+    groups, FSDP2 (when on) shards over dp. Must divide policy.num_workers and the model's attention heads,
+    KV heads and vocabulary."""
     sequence_parallel: bool = False
-    """Not wired into the policy workers yet (the plan exists: grpo_train.policy.tensor_parallel, issue #22): only
-    false is accepted."""
+    """With tensor_parallel_size > 1: also shard the residual stream and RMSNorms over the sequence
+    (grpo_train.policy.tensor_parallel); refused with tensor_parallel_size 1, where it would do nothing."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of storing them (any device)."""
-    tensor_parallel_size: int = Field(1, ge=1)
-    """Not wired into the policy workers yet (the TP plan, vocab-parallel logprobs and TP refit gathers exist:
-    grpo_train.policy.tensor_parallel, grpo_kernels.vocab_parallel; issue #22): only 1 is accepted (scale the
-    policy with policy.num_workers, data parallel)."""
     context_parallel_size: int = Field(1, ge=1)
     """Not built yet (issue #22): only 1 is accepted."""
     custom_parallel_plan: str | None = None
-    """A `module:object` tensor-parallel plan; not wired into the policy workers yet: only null is accepted."""
+    """A `module:object` tensor-parallel plan (a dict of module name -> ParallelStyle, or a callable
+    (model, sequence_parallel) -> dict) used instead of the built-in one; needs tensor_parallel_size > 1."""
     lora_cfg: LoRAConfig = LoRAConfig()
     """LoRA adapters on the policy (peft); see LoRAConfig."""
 
-    @field_validator("tensor_parallel_size", "context_parallel_size")
+    @field_validator("context_parallel_size")
     @classmethod
-    def _no_model_parallel(cls, value: int, info: ValidationInfo) -> int:
+    def _no_context_parallel(cls, value: int) -> int:
         if value != 1:
-            what = ("tensor parallelism of the policy is not wired into the policy workers yet (its plan and "
-                    "vocab-parallel logprobs exist, issue #22)" if info.field_name == "tensor_parallel_size"
-                    else "context parallelism of the policy is not built yet (issue #22)")
-            raise ValueError(f"{what}; set 1 and scale with policy.num_workers (data-parallel ranks, FSDP2-sharded "
-                             f"on GPUs)")
+            raise ValueError("context parallelism of the policy is not built yet (issue #22); set 1 and scale with "
+                             "policy.num_workers or tensor_parallel_size")
         return value
 
     @field_validator("sequence_parallel")
     @classmethod
-    def _no_sequence_parallel(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("sequence parallelism needs tensor parallelism, which is not wired into the policy "
-                             "workers yet (issue #22); set false")
+    def _sequence_parallel_needs_tp(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("tensor_parallel_size", 1) == 1:
+            raise ValueError("sequence parallelism shards over the tensor-parallel ranks: it needs "
+                             "policy.dtensor_cfg.tensor_parallel_size > 1; set false")
         return value
 
     @field_validator("custom_parallel_plan")
     @classmethod
-    def _no_custom_plan(cls, value: str | None) -> str | None:
-        if value is not None:
-            raise ValueError("a custom tensor-parallel plan needs tensor parallelism, which is not wired into the "
-                             "policy workers yet (issue #22); set null")
+    def _custom_plan_needs_tp(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            return value
+        if info.data.get("tensor_parallel_size", 1) == 1:
+            raise ValueError("a custom tensor-parallel plan needs policy.dtensor_cfg.tensor_parallel_size > 1; set null")
+        module, _, attr = value.partition(":")
+        if not module or not attr:
+            raise ValueError(f"{value!r}: expected 'module:object'")
         return value
 
 
@@ -577,7 +580,20 @@ class PolicyConfig(Section):
     def _batching(self) -> PolicyConfig:
         if self.dynamic_batching.enabled and self.sequence_packing.enabled:
             raise ValueError("dynamic_batching and sequence_packing are mutually exclusive: enable at most one")
-        if self.train_global_batch_size % self.num_workers:
+        tp = self.dtensor_cfg.tensor_parallel_size
+        if self.num_workers % tp:
+            raise ValueError(f"policy.dtensor_cfg.tensor_parallel_size ({tp}) must divide policy.num_workers "
+                             f"({self.num_workers}): the ranks form a (num_workers / tp) x tp mesh")
+        if tp > 1 and self.dtensor_cfg.lora_cfg.enabled:
+            raise ValueError("policy.dtensor_cfg.tensor_parallel_size > 1 with lora_cfg.enabled: LoRA adapters on "
+                             "tensor-parallel layers are not supported; set tensor_parallel_size 1")
+        if self.train_global_batch_size % (self.num_workers // tp):
+            raise ValueError(
+                f"policy.train_global_batch_size ({self.train_global_batch_size}) must be a multiple of the "
+                f"data-parallel size policy.num_workers / tensor_parallel_size ({self.num_workers // tp}): each "
+                f"optimizer step splits evenly over the data-parallel groups"
+            )
+        if self.train_global_batch_size % self.num_workers and tp == 1:
             raise ValueError(
                 f"policy.train_global_batch_size ({self.train_global_batch_size}) must be a multiple of "
                 f"policy.num_workers ({self.num_workers}): each optimizer step splits evenly over the workers"

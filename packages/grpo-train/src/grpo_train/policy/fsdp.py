@@ -86,9 +86,53 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
 
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
     """torch's clip_grad_norm_ for plain or DTensor gradients; the total norm of the full
-    gradient as a float (for DTensors the norm is reduced over the shards: a collective)."""
-    total = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else math.inf)
+    gradient as a float (for DTensors the norm is reduced over the shards: a collective).
+    Gradients of mixed kinds (under TP: DTensors on the tp or dp x tp mesh beside plain or
+    dp-sharded ones), which torch's foreach norm cannot stack, go through `_mixed_clip`."""
+    from torch.distributed.tensor import DTensor
+
+    max_norm = max_norm if max_norm is not None else math.inf
+    grads = [p.grad for p in params if p.grad is not None]
+    kinds = {(g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None for g in grads}
+    if len(kinds) > 1:
+        return _mixed_clip(grads, max_norm)
+    total = torch.nn.utils.clip_grad_norm_(params, max_norm)
     return float(full(total))
+
+
+@torch.no_grad()
+def _mixed_clip(grads: list[torch.Tensor], max_norm: float) -> float:
+    """clip_grad_norm_'s arithmetic (total 2-norm; scale by max_norm / (total + 1e-6) when
+    below 1) with each gradient's full norm taken on its own (a reduction per DTensor)."""
+    squares = torch.stack([full(torch.linalg.vector_norm(g, 2)).float() ** 2 for g in grads])
+    total = float(squares.sum().sqrt())
+    coef = max_norm / (total + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return total
+
+
+@torch.no_grad()
+def sum_local_gradients(params: list[torch.nn.Parameter], group) -> None:
+    """All-reduce SUM of each parameter's local gradient (a DTensor's local shard, or a plain
+    tensor) over `group` (the dp ranks of a TP run without FSDP2), as one flat buffer, in place."""
+    import torch.distributed as dist
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+    from torch.distributed.tensor import DTensor
+
+    local: list[torch.Tensor] = []
+    for p in params:
+        if not p.requires_grad:
+            continue
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        p.grad = grad
+        local.append(grad.to_local() if isinstance(grad, DTensor) else grad)
+    flat = _flatten_dense_tensors(local)
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    with torch.no_grad():
+        for dst, src in zip(local, _unflatten_dense_tensors(flat, local)):
+            dst.copy_(src)
 
 
 # ------------------------------------------------------------------ full (unsharded) state

@@ -80,6 +80,10 @@ class PolicyGroup(RankGroup):
 
         self.cfg = policy_cfg
         self.world_size = policy_cfg.num_workers
+        # Tensor parallelism: ranks dp_rank * tp + tp_rank; a dp group's tp ranks take the same rows and
+        # report the same results, of which its first rank's are kept.
+        self.tp = policy_cfg.dtensor_cfg.tensor_parallel_size
+        self.dp = self.world_size // self.tp
         bundles, strategy = worker_bundles(cluster, self.world_size)
         self.placement_group = place_bundles(bundles, strategy)
         # Colocated engines share the rank's GPU, so the worker takes half of it.
@@ -116,18 +120,26 @@ class PolicyGroup(RankGroup):
         self.transport.push(self, self.generators, version, **options)
 
     # -------------------------------------------------------------------------- scoring
+    def _dp_rows(self, n: int) -> list[slice]:
+        """Each rank's rows: the batch split over the dp groups, the same rows for a group's tp ranks."""
+        return [rows for rows in split_rows(n, self.dp) for _ in range(self.tp)]
+
+    def _per_dp_group(self, results: list) -> list:
+        """One result per dp group (its first tp rank's): the tp ranks computed the same rows."""
+        return results[:: self.tp]
+
     @remote_method
     def logprobs(self, batch: dict[str, torch.Tensor], reference: bool = False):
-        rows = split_rows(batch_size(batch), self.world_size)
+        rows = self._dp_rows(batch_size(batch))
         parts = [w.logprobs.remote(take_rows(batch, r), reference=reference) for w, r in zip(self.workers, rows)]
-        return ray.put(torch.cat(ray.get(parts)))  # [B, S]
+        return ray.put(torch.cat(self._per_dp_group(ray.get(parts))))  # [B, S]
 
     @remote_method
     def logprobs_and_reference(self, batch: dict[str, torch.Tensor]):
         """[2, B, S] current-weight and reference logprobs of `batch`, one call per rank."""
-        rows = split_rows(batch_size(batch), self.world_size)
+        rows = self._dp_rows(batch_size(batch))
         parts = [w.logprobs_and_reference.remote(take_rows(batch, r)) for w, r in zip(self.workers, rows)]
-        return ray.put(torch.cat(ray.get(parts), dim=1))  # [2, B, S]
+        return ray.put(torch.cat(self._per_dp_group(ray.get(parts)), dim=1))  # [2, B, S]
 
     @remote_method
     def score(self, sequences: list[list[int]], prompt_lens: list[int]):
@@ -140,9 +152,9 @@ class PolicyGroup(RankGroup):
     def train(self, batch: dict[str, torch.Tensor]):
         """Each optimizer step's rows (train_global_batch_size of them) are split across the
         ranks; each rank gets its share of every step, in step order."""
-        shards, tokens, seqs = shard_steps(batch, self.cfg.train_global_batch_size, self.world_size)
-        calls = [w.train.remote(shard, tokens, seqs) for w, shard in zip(self.workers, shards)]
-        return ray.put(combine_metrics(ray.get(calls)))
+        shards, tokens, seqs = shard_steps(batch, self.cfg.train_global_batch_size, self.dp)
+        calls = [w.train.remote(shards[rank // self.tp], tokens, seqs) for rank, w in enumerate(self.workers)]
+        return ray.put(combine_metrics(self._per_dp_group(ray.get(calls))))  # loss-like sums counted once per dp group
 
     @remote_method
     def gradients(self):

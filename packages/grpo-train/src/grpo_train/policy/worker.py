@@ -83,6 +83,11 @@ class PolicyWorker:
         self.cfg = policy_cfg
         self.loss_cfg = pg_loss_config(loss_cfg)
         self.rank, self.world_size = rank, world_size
+        # Tensor parallelism (policy/tensor_parallel.py): rank = dp_rank * tp_size + tp_rank (a dp x tp mesh);
+        # the tp ranks of one dp group see the same rows, and gradients are reduced over dp only.
+        self.tp_size = policy_cfg.dtensor_cfg.tensor_parallel_size
+        self.dp_size, self.dp_rank = world_size // self.tp_size, rank // self.tp_size
+        self._dp_group = None  # the dp sub-mesh's process group under TP (None: the default group)
         self.model_path = model_path
         self.temperature = policy_cfg.generation.temperature
         # fp32 masters, compute in policy.precision (precision.py): loaded in fp32, then the
@@ -109,7 +114,8 @@ class PolicyWorker:
             self._router = RouterLogits(self.model)
         self.optimizer = build_optimizer(self.master.parameters(), policy_cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, policy_cfg.scheduler)
-        self._sharded = False  # FSDP2: set by init_distributed
+        self._sharded = False  # parameters are DTensors (FSDP2 and/or TP): gathers are collectives; init_distributed
+        self._fsdp = False  # FSDP2 reduces the gradients over dp (init_distributed)
         self._roots: dict[int, torch.nn.Module] = {}  # id(model) -> its FSDP2 root (fsdp.ForwardRoot)
         self._weight_group = None  # the collective weight transport's group (rank 0 only)
         self._home = torch.device("cpu")  # where this rank computes (its GPU once init_distributed moved it)
@@ -217,7 +223,7 @@ class PolicyWorker:
         `batch` must hold prev_logprobs (and ref_logprobs when beta > 0). The global counts are
         per optimizer step over all data-parallel ranks; computed locally for one worker.
         """
-        per_step = self.cfg.train_global_batch_size // self.world_size
+        per_step = self.cfg.train_global_batch_size // self.dp_size
         self._reusing_prev = False
         if "prev_logprobs" not in batch:  # the driver left prev to us (train_step.reuses_prev_logprobs)
             if self.reuses_prev(batch, per_step):
@@ -482,9 +488,10 @@ class PolicyWorker:
                 "pid": os.getpid(), "rank": self.rank}
 
     def init_distributed(self, master_addr: str, port: int) -> bool:
-        """Join the data-parallel group (NCCL on GPUs, gloo on CPU) and, as `dtensor_cfg.enabled`
-        says (`fsdp.uses_fsdp`), shard the model with FSDP2. Every rank calls it at once;
-        returns whether this rank is sharded."""
+        """Join the process group (NCCL on GPUs, gloo on CPU); under `dtensor_cfg.tensor_parallel_size`
+        > 1 build the dp x tp mesh and tensor-parallelize the model over tp (`_tensor_parallel`); and,
+        as `dtensor_cfg.enabled` says (`fsdp.uses_fsdp`, counted in dp ranks), shard it with FSDP2 over
+        dp. Every rank calls it at once; returns whether this rank's parameters are DTensors."""
         import torch.distributed as dist
 
         if self.cfg.dtensor_cfg.activation_checkpointing:
@@ -499,8 +506,13 @@ class PolicyWorker:
         backend = "nccl" if on_gpu else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{port}", rank=self.rank,
                                 world_size=self.world_size)
-        if fsdp.uses_fsdp(self.cfg.dtensor_cfg, on_gpu, self.world_size):
-            self._shard("cuda" if on_gpu else "cpu")
+        device_type = "cuda" if on_gpu else "cpu"
+        dp_mesh = None
+        shards = fsdp.uses_fsdp(self.cfg.dtensor_cfg, on_gpu, self.dp_size)
+        if self.tp_size > 1:
+            dp_mesh = self._tensor_parallel(device_type, masters_dtype=torch.float32 if shards else self.dtype)
+        if shards:
+            self._shard(device_type, dp_mesh)
         elif on_gpu:  # dtensor_cfg.enabled: false on GPUs: full replicas, each on its rank's GPU
             device = torch.device("cuda", torch.cuda.current_device())
             for model in (self.model, self.reference):
@@ -508,14 +520,40 @@ class PolicyWorker:
                     model.to(device)  # in place: the optimizer (no state yet) keeps the same parameters
         return self._sharded
 
-    def _shard(self, device_type: str) -> None:
-        """FSDP2 over a 1-D mesh of all ranks, the same on GPUs and CPUs (`fsdp.shard`); the
-        reference model is sharded too. Only the device and the mesh's backend differ."""
+    def _tensor_parallel(self, device_type: str, masters_dtype: torch.dtype):
+        """The dp x tp mesh; the model and the reference tensor-parallel over its tp dimension
+        (`tensor_parallel.apply_tensor_parallel`, in fp32: the masters are the TP shards). Returns
+        the dp sub-mesh (FSDP2 shards over it; without FSDP2 the gradients are summed over its group)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from grpo_train.policy.tensor_parallel import apply_tensor_parallel
+
+        mesh = init_device_mesh(device_type, (self.dp_size, self.tp_size), mesh_dim_names=("dp", "tp"))
+        self._dp_group = mesh["dp"].get_group()
+        dcfg = self.cfg.dtensor_cfg
+        self.master.release()  # fp32 parameters: TP shards them as they are
+        for model in (self.model, self.reference):
+            if model is not None:
+                if device_type == "cuda":
+                    torch.nn.Module.to(model, torch.device("cuda", torch.cuda.current_device()))
+                apply_tensor_parallel(model, mesh["tp"], dcfg.sequence_parallel, dcfg.custom_parallel_plan)
+        # fp32 masters over the TP shards; the compute dtype's copy unless FSDP2 follows (its mixed precision)
+        self.master = MasterWeights(self.model, masters_dtype)
+        self.optimizer = build_optimizer(self.master.parameters(), self.cfg.optimizer)
+        self.scheduler = build_scheduler(self.optimizer, self.cfg.scheduler)
+        self._sharded = True
+        return mesh["dp"]
+
+    def _shard(self, device_type: str, mesh=None) -> None:
+        """FSDP2 over a 1-D mesh of all ranks (under TP: the dp sub-mesh), the same on GPUs and
+        CPUs (`fsdp.shard`); the reference model is sharded too. Only the device and the mesh's
+        backend differ."""
         from torch.distributed.device_mesh import init_device_mesh
 
         if device_type == "cuda":
             self.model.to(torch.device("cuda", torch.cuda.current_device()))
-        mesh = init_device_mesh(device_type, (self.world_size,))
+        if mesh is None:
+            mesh = init_device_mesh(device_type, (self.world_size,))
         self.master.release()  # the module back in fp32: FSDP2's shards are the masters
         for model in (self.model, self.reference):
             if model is not None:
@@ -526,13 +564,16 @@ class PolicyWorker:
         self.master = MasterWeights(self.model, torch.float32)
         self.optimizer = build_optimizer(self.master.parameters(), self.cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, self.cfg.scheduler)
-        self._sharded = True
+        self._sharded = self._fsdp = True
 
     def _reduce_gradients(self) -> None:
         """Sum gradients over data-parallel ranks. Each rank's loss is divided by the global
         token (or sequence) count, so the sum is the single-worker gradient (GRPO-MATH.md).
         FSDP2 reduces its own gradients during backward."""
-        if self.world_size == 1 or self._sharded:
+        if self.dp_size == 1 or self._fsdp:
+            return
+        if self.tp_size > 1:  # the tp ranks of a dp group hold different shards: sum over dp only
+            fsdp.sum_local_gradients(self.master.parameters(), self._dp_group)
             return
         sum_gradients(self.master.parameters())  # the fp32 gradients
 

@@ -1,0 +1,147 @@
+"""Tensor-parallel policy ranks (policy.dtensor_cfg.tensor_parallel_size=2: real Ray actors, a real
+gloo dp x tp device mesh, torch.distributed.tensor.parallel) against one unsharded worker.
+
+The oracle is the single in-process worker on the same global batch (fp32), started from the
+same state: the TP group loads the single worker's checkpoint first (rank 0 reads it and
+scatters it into the TP shards). One optimizer step, the clip acting: logprobs (policy and
+reference), loss, grad norm, every gradient, the updated weights the refit gathers and the
+checkpoint the TP ranks write in the unsharded HF format must agree within 1e-5 relative."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file
+
+from grpo_train.config.schema import ClusterConfig, DTensorConfig, LossConfig, PolicyConfig
+from grpo_train.policy.group import PolicyGroup
+from grpo_train.weight_transport import open_group, receive_buckets
+
+VOCAB = 64
+RTOL = 1e-5
+ATOL = 1e-9  # k_proj.bias: an exactly-zero gradient in exact arithmetic (see test_fsdp.py)
+LOSS = LossConfig(reference_policy_kl_penalty=0.05)
+BUCKET_BYTES = 64 * 1024  # several buckets per push of the tiny model
+
+
+def policy_cfg(num_workers: int, tp: int, sp: bool = False, packing: bool = False) -> PolicyConfig:
+    return PolicyConfig(precision="float32", train_global_batch_size=6, train_micro_batch_size=3,
+                        logprob_batch_size=3, max_grad_norm=1.0, num_workers=num_workers,
+                        sequence_packing={"enabled": packing},
+                        optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.5, "momentum": 0.9}},
+                        dtensor_cfg=DTensorConfig(tensor_parallel_size=tp, sequence_parallel=sp),
+                        generation={"temperature": 0.7})
+
+
+def make_batch(B: int, seed: int) -> dict[str, torch.Tensor]:
+    """B rows of ragged (odd and even) lengths, one masked sample."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(5, 14, (B,), generator=g)
+    S = int(lengths.max())
+    attention_mask = (torch.arange(S)[None, :] < lengths[:, None]).long()
+    token_mask = attention_mask.float().clone()
+    token_mask[:, :3] = 0
+    sample_mask = torch.ones(B)
+    sample_mask[B // 2] = 0
+    return {"input_ids": torch.randint(3, VOCAB, (B, S), generator=g) * attention_mask,
+            "attention_mask": attention_mask, "token_mask": token_mask,
+            "gen_logprobs": -torch.rand(B, S, generator=g) * token_mask,
+            "advantages": torch.randn(B, generator=g)[:, None] * token_mask, "sample_mask": sample_mask}
+
+
+def collective_refit(group) -> dict[str, torch.Tensor]:
+    """The weights as a separately placed engine receives them, bucket by bucket, over the collective
+    transport (this process is the receiving rank of a real gloo group)."""
+    metas = ray.get(group.weight_metadata.remote())
+    host, port = ray.get(group.free_address.remote())
+    opened = group.open_weight_group.remote(host, port, 2, "gloo")
+    receiver = open_group(host, port, 1, 2, "gloo")
+    ray.get(opened)
+    sent = group.send_weights.remote(BUCKET_BYTES)
+    received = {name: t.clone() for name, t in receive_buckets(receiver, metas, BUCKET_BYTES, torch.device("cpu"))}
+    assert ray.get(sent) > 1
+    return received
+
+
+def assert_close_rel(got: dict, want: dict, what: str) -> None:
+    assert got.keys() == want.keys() and len(want) > 0, (what, sorted(got.keys() ^ want.keys()))
+    for name in want:
+        diff = float((got[name] - want[name]).norm())
+        assert diff <= RTOL * float(want[name].norm()) + ATOL, (what, name, diff, float(want[name].norm()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sp,packing", [(False, False), (True, True)], ids=["tp2_padded", "tp2_sp_packed"])
+def test_tp2_ranks_match_one_worker(ray_session, tiny_qwen2_dir, tmp_path, sp, packing):
+    from grpo_train.policy.worker import PolicyWorker
+
+    torch.set_num_threads(1)
+    single = PolicyWorker(tiny_qwen2_dir, policy_cfg(1, 1, packing=packing), LOSS, seed=0)
+    group = PolicyGroup(tiny_qwen2_dir, policy_cfg(2, 2, sp, packing), LOSS, ClusterConfig(), seed=0, num_threads=1)
+    try:
+        assert group._sharded  # the ranks' parameters are DTensors: full-weight calls gather on every rank
+        single.save(str(tmp_path / "start"))
+        ray.get(group.load.remote(str(tmp_path / "start")))
+        batch = make_batch(6, seed=0)
+        lp1 = single.logprobs_and_reference(batch)
+        lp2 = ray.get(group.logprobs_and_reference.remote(batch))
+        torch.testing.assert_close(lp2, lp1, rtol=0, atol=1e-5)
+        one = {**batch, "prev_logprobs": lp1[0], "ref_logprobs": lp1[1]}
+        two = {**batch, "prev_logprobs": lp2[0], "ref_logprobs": lp2[1]}
+        m1, m2 = single.train(one), ray.get(group.train.remote(two))
+        assert m1["grad_norm"] > 1.0  # the clip acts (over TP-sharded and replicated gradients)
+        assert m2.keys() == m1.keys()  # metrics counted once per dp group, not once per tp rank
+        for key in m1:
+            assert abs(m2[key] - m1[key]) <= RTOL * abs(m1[key]) + 1e-7, (key, m1[key], m2[key])
+        assert_close_rel(ray.get(group.gradients.remote()), single.gradients(), "gradients")
+        w1 = single.weights()
+        assert "lm_head.weight" not in w1  # tied: once, as the embedding
+        assert_close_rel(ray.get(group.weights.remote()), w1, "object_store refit")
+        assert_close_rel(collective_refit(group), w1, "collective refit (rank 0 sends, every rank gathers)")
+        ray.get(group.save.remote(str(tmp_path / "saved")))
+        saved = load_file(Path(tmp_path / "saved" / "model" / "model.safetensors"))
+        assert_close_rel(saved, w1, "checkpoint (unsharded HF format)")
+    finally:
+        group.close()
+
+
+def test_bad_tensor_parallel_input_is_refused_at_its_key_before_training(tiny_qwen2_dir):
+    """tensor_parallel_size must divide the ranks (config check) and the model's heads, KV heads
+    and vocabulary (startup check, before any actor); SP and a custom plan need TP > 1."""
+    from grpo_train.config import validate_config_dict
+    from grpo_train.config.errors import ConfigError
+    from grpo_train.config.schema import GRPOMasterConfig
+    from grpo_train.setup import StartupError, check_model_options
+
+    def dtensor(num_workers: int = 2, **cfg) -> dict:
+        return {"policy": {"num_workers": num_workers, "train_global_batch_size": 4, "precision": "float32",
+                           "dtensor_cfg": cfg}}
+
+    check_model_options(GRPOMasterConfig(**dtensor(tensor_parallel_size=2)), tiny_qwen2_dir)  # 2 heads, vocab 64
+    with pytest.raises(StartupError, match=r"^policy.dtensor_cfg.tensor_parallel_size: 4 does not divide the "
+                                           r"model's num_attention_heads=2, num_key_value_heads=2"):
+        check_model_options(GRPOMasterConfig(**dtensor(4, tensor_parallel_size=4)), tiny_qwen2_dir)
+    for precision, cluster, enabled, refused in [("bfloat16", {}, None, True), ("bfloat16", {"gpus_per_node": 4}, False, True),
+                                                  ("bfloat16", {"gpus_per_node": 4}, None, False),
+                                                  ("bfloat16", {}, True, True)]:  # dp 1 on CPU: no FSDP2
+        config = dtensor(tensor_parallel_size=2, enabled=enabled)
+        config["policy"]["precision"], config["cluster"] = precision, cluster
+        if refused:
+            with pytest.raises(StartupError, match=r"^policy.precision: bfloat16 with policy.dtensor_cfg.tensor_para"):
+                check_model_options(GRPOMasterConfig(**config), tiny_qwen2_dir)
+        else:
+            check_model_options(GRPOMasterConfig(**config), tiny_qwen2_dir)
+    cases = [
+        (dtensor(3, tensor_parallel_size=2), "policy.dtensor_cfg.tensor_parallel_size (2) must divide policy.num_workers (3)"),
+        (dtensor(sequence_parallel=True), "policy.dtensor_cfg.sequence_parallel"),
+        (dtensor(custom_parallel_plan="my.plan:x"), "policy.dtensor_cfg.custom_parallel_plan"),
+        (dtensor(tensor_parallel_size=2, custom_parallel_plan="my.plan"), "expected 'module:object'"),
+        (dtensor(tensor_parallel_size=2, lora_cfg={"enabled": True}), "LoRA adapters on tensor-parallel layers"),
+    ]
+    for config, message in cases:
+        with pytest.raises(ConfigError) as err:
+            validate_config_dict(config)
+        assert message in str(err.value), str(err.value)
