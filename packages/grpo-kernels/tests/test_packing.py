@@ -400,6 +400,10 @@ def test_the_gil_check_catches_code_that_holds_the_gil():
     # Control: list.sort of Python ints runs in C without releasing the GIL.
     rng = random.Random(0)
     values = [rng.random() for _ in range(400_000)]
-    duration, stall, _ = spinner_progress_during(lambda: sorted(values))
+    # The spinner still runs for a few ms at the edges of the call (the GIL changes hands every
+    # 5 ms until sort starts, and after it ends), more so under load: the best of three is judged,
+    # against a bound well above what a GIL-releasing call shows (< 0.5 of its duration, above).
+    runs = [spinner_progress_during(lambda: sorted(values)) for _ in range(3)]
+    duration, stall, _ = max(runs, key=lambda r: r[1] / r[0])
     assert duration > 0.02
-    assert stall > 0.8 * duration, (duration, stall)
+    assert stall > 0.7 * duration, runs

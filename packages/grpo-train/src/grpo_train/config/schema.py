@@ -587,7 +587,7 @@ class PolicyConfig(Section):
         if tp > 1 and self.dtensor_cfg.lora_cfg.enabled:
             raise ValueError("policy.dtensor_cfg.tensor_parallel_size > 1 with lora_cfg.enabled: LoRA adapters on "
                              "tensor-parallel layers are not supported; set tensor_parallel_size 1")
-        if self.train_global_batch_size % (self.num_workers // tp):
+        if tp > 1 and self.train_global_batch_size % (self.num_workers // tp):
             raise ValueError(
                 f"policy.train_global_batch_size ({self.train_global_batch_size}) must be a multiple of the "
                 f"data-parallel size policy.num_workers / tensor_parallel_size ({self.num_workers // tp}): each "
