@@ -6,7 +6,7 @@ import cycle exists (issue #17). test_dependency_direction.py checks the same be
     async parts collector (async_loop's generation side)
     step        step (the shared phases)
     batch       train_step, run_state, setup, ppo.ppo_step, config.checks, engine_faults, colocation
-    components  rollout, policy, generation, validation, weight_sync, weight_transport, ppo's value parts
+    components  rollout, policy, generation, refit, validation, ppo's value parts
     shared      records and utilities the components share (batch, checkpoint, state files, plan, ...)
     base        errors, config (schema, loader, errors), assets
 
@@ -37,7 +37,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     )),
     ("components", (
         "grpo_train.rollout", "grpo_train.policy", "grpo_train.generation", "grpo_train.validation",
-        "grpo_train.weight_sync", "grpo_train.weight_transport", "grpo_train.ppo.value_group",
+        "grpo_train.refit", "grpo_train.ppo.value_group",
         "grpo_train.ppo.value_worker", "grpo_train.ppo.value_loss", "grpo_train.ppo.gae",
         "grpo_train.ppo.estimators",
     )),

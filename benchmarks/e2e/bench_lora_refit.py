@@ -4,7 +4,7 @@ trainable parameters, peak memory of two training steps, refit bytes and refit t
 Each variant runs in its own process (peak RSS is per process, `ru_maxrss`):
 - `full`: every parameter trains; the refit pushes every weight (`state_dict_for_refit`).
 - `merged`: LoRA (`apply_lora`, dim 8, alpha 32, all linear layers); the refit pushes the base-named weights
-  with the adapters merged in (`state_dict_for_refit` -> `weight_sync.merged_lora_weight`).
+  with the adapters merged in (`state_dict_for_refit` -> `refit.tensors.merged_lora_weight`).
 - `adapter`: the same LoRA model; the push is only the adapter tensors (peft's state dict), handed to a vLLM
   engine built with `enable_lora=True` as a PEFT folder in /dev/shm under a new adapter id (`add_lora`).
   grpo does not offer this mode yet (`refit: adapter` is refused); this measures what it would cost.
@@ -87,7 +87,7 @@ def save_engine_model(model, peft_model, folder: Path) -> None:
     with peft_model.disable_adapter() if peft_model is not None else _null():
         from safetensors.torch import save_file
 
-        from grpo_train.weight_sync import state_dict_for_refit
+        from grpo_train.refit.tensors import state_dict_for_refit
 
         save_file(state_dict_for_refit(base), str(folder / "model.safetensors"))
     base.config.save_pretrained(folder)
@@ -118,7 +118,7 @@ def engine_logprobs_check(llm_generate, model) -> float:
 def child(mode: str, engine: bool, pushes: int) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-    from grpo_train.weight_sync import state_dict_for_refit
+    from grpo_train.refit.tensors import state_dict_for_refit
 
     before = rss_mib()
     model, peft_model = build(mode)

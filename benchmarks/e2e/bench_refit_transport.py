@@ -38,8 +38,9 @@ def main() -> int:
     from grpo_train.config.schema import ClusterConfig, LossConfig, PolicyConfig
     from grpo_train.generation import make_generation_actor
     from grpo_train.policy.group import PolicyGroup
+    from grpo_train.refit import GIB, make_transport
+    from grpo_train.refit.buckets import plan_buckets
     from grpo_train.setup import actor_env_vars, init_ray, resolve_model_path
-    from grpo_train.weight_transport import GIB, make_transport, plan_buckets
 
     model = resolve_model_path(args.model)
     init_ray(ClusterConfig(num_cpus=4), actor_env_vars())

@@ -25,7 +25,7 @@ from grpo_train.assets import builtin_model_path
 from grpo_train.config.schema import LossConfig, PolicyConfig
 from grpo_train.generation import SamplingSpec, VllmGenerator
 from grpo_train.policy.worker import PolicyWorker
-from grpo_train.weight_sync import refit_stats
+from grpo_train.refit.check import refit_stats
 
 SKIPPED = ("model.layers.1.mlp.down_proj.weight", "model.embed_tokens.weight")
 

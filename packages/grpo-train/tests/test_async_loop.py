@@ -61,7 +61,7 @@ def perturbed_weights(model_path: str, seed: int):
     """(HF-named weights to push, the HF model holding them)."""
     from transformers import AutoModelForCausalLM
 
-    from grpo_train.weight_sync import state_dict_for_refit
+    from grpo_train.refit.tensors import state_dict_for_refit
 
     model = AutoModelForCausalLM.from_pretrained(model_path)
     gen = torch.Generator().manual_seed(seed)
@@ -152,8 +152,9 @@ def test_collective_push_into_the_async_engine_equals_the_object_store_push(ray_
     from grpo_train.config.schema import ClusterConfig, LossConfig, PolicyConfig
     from grpo_train.generation.base import SamplingSpec
     from grpo_train.policy.group import PolicyGroup
-    from grpo_train.weight_sync import check_refit, state_dict_for_refit
-    from grpo_train.weight_transport import make_transport
+    from grpo_train.refit import make_transport
+    from grpo_train.refit.check import check_refit
+    from grpo_train.refit.tensors import state_dict_for_refit
 
     ray = ray_session
     weights, model = perturbed_weights(model_path, seed=3)

@@ -183,7 +183,7 @@ def test_a_dead_engine_of_a_group_is_replaced_alone_with_the_current_weights(ray
     from grpo_train.engine_faults import EngineFailed, EngineSupervisor
     from grpo_train.generation import SamplingSpec, make_generation_actor
     from grpo_train.generation.group import GeneratorGroup
-    from grpo_train.weight_sync import state_dict_for_refit
+    from grpo_train.refit.tensors import state_dict_for_refit
 
     class Trainer:  # the policy side of an object-store push: its current weights
         def __init__(self, path: str) -> None:

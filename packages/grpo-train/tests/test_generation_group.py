@@ -11,7 +11,7 @@ import torch
 
 from grpo_train.generation import HFGenerator, SamplingSpec, make_generation_actor
 from grpo_train.generation.group import GeneratorGroup, engines_of
-from grpo_train.weight_sync import state_dict_for_refit
+from grpo_train.refit.tensors import state_dict_for_refit
 
 PROMPTS = [[3 + (5 * i + j) % 60 for j in range(6 + i)] for i in range(5)]  # 5 prompts over 2 engines: 2 + 3
 

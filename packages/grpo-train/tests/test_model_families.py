@@ -23,7 +23,8 @@ import torch
 
 from grpo_train.model_families import BY_MODEL_TYPE, family_of
 from grpo_train.policy.logprobs import packed_logprobs, sequence_logprobs
-from grpo_train.weight_sync import check_refit, iter_refit_tensors, state_dict_for_refit
+from grpo_train.refit.check import check_refit
+from grpo_train.refit.tensors import iter_refit_tensors, state_dict_for_refit
 
 TEMPERATURE = 0.7
 ATOL = 1e-4  # the fp32 refit threshold (test_refit.py)

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from grpo_train.generation import HFGenerator, SamplingSpec, VllmGenerator, make_generation_actor
-from grpo_train.generation.vllm_worker_ext import serialize_weights
-from grpo_train.weight_sync import RefitMismatchError, check_refit, state_dict_for_refit
+from grpo_train.refit.check import RefitMismatchError, check_refit
+from grpo_train.refit.object_store import serialize_weights
+from grpo_train.refit.tensors import state_dict_for_refit
 
 TEMPERATURE = 0.7
 MAX_MODEL_LEN = 256
@@ -215,7 +216,7 @@ def test_lora_merged_refit_passes_the_gate(vllm_gen, model_dir):
     """LoRA (policy.dtensor_cfg.lora_cfg, refit: merged): the engine gets plain base-named
     weights with B.A merged in, and scores like the trainer's adapted model within the fp32
     gate; the trainer's own weights are bitwise the same after the push (no merge left behind)."""
-    from grpo_train.weight_sync import DEFAULT_LIMITS, gate_refit
+    from grpo_train.refit.check import DEFAULT_LIMITS, gate_refit
 
     worker = trained_lora_worker(model_dir)
     seqs, plens, expected = lora_probe(worker)
@@ -319,8 +320,8 @@ def test_eval_checkpoint_of_a_lora_run_scores_like_the_trainer(model_dir, tmp_pa
     give a folder that a fresh vLLM engine loads as a plain model and that scores like the LoRA
     trainer that saved it, within the fp32 refit gate."""
     from grpo_train.checkpoint import CheckpointManager
+    from grpo_train.refit.check import DEFAULT_LIMITS, gate_refit
     from grpo_train.run import checkpoint_model_path
-    from grpo_train.weight_sync import DEFAULT_LIMITS, gate_refit
 
     worker = trained_lora_worker(model_dir)
     seqs, plens, expected = lora_probe(worker)

@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from grpo_train.config.schema import GRPOMasterConfig, LossConfig, PolicyConfig
-from grpo_train.train_step import probe_size, refit_limits
-from grpo_train.weight_sync import (
+from grpo_train.refit.check import (
     DEFAULT_LIMITS,
     RefitLimits,
     RefitMismatchError,
@@ -24,6 +23,7 @@ from grpo_train.weight_sync import (
     gate_refit,
     refit_stats,
 )
+from grpo_train.train_step import probe_size, refit_limits
 
 # The tied embedding / lm_head: the tensor whose miss is the classic refit bug.
 SKIPPED = "model.embed_tokens.weight"

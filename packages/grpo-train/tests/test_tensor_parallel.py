@@ -91,8 +91,9 @@ def assert_same_full_state(tp_model, plain, what: str) -> None:
     weight transport's own bucketing) and the checkpoint state dict equal the plain model's,
     bitwise, under the same names (a tied head sent and saved once, as unsharded)."""
     from grpo_train.policy.fsdp import full_model_state
-    from grpo_train.weight_sync import iter_refit_tensors
-    from grpo_train.weight_transport import plan_buckets, tensor_metadata
+    from grpo_train.refit.buckets import plan_buckets
+    from grpo_train.refit.metas import tensor_metadata
+    from grpo_train.refit.tensors import iter_refit_tensors
 
     want = dict(iter_refit_tensors(plain))
     metas = tensor_metadata(iter_refit_tensors(tp_model, gather=False))

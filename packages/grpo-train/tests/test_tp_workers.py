@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from grpo_train.config.schema import ClusterConfig, DTensorConfig, LossConfig, PolicyConfig
 from grpo_train.policy.group import PolicyGroup
-from grpo_train.weight_transport import open_group, receive_buckets
+from grpo_train.refit.buckets import open_group, receive_buckets
 
 VOCAB = 64
 RTOL = 1e-5

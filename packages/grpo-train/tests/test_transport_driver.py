@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from grpo_train.weight_transport import IpcTransport
+from grpo_train.refit.ipc import IpcTransport
 
 
 class _Rank:

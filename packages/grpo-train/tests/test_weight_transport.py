@@ -13,17 +13,10 @@ import ray
 import torch
 
 from grpo_train.config.schema import ClusterConfig, LossConfig, PolicyConfig
-from grpo_train.weight_sync import check_refit
-from grpo_train.weight_transport import (
-    TRANSPORTS,
-    free_address,
-    make_transport,
-    open_group,
-    plan_buckets,
-    receive_buckets,
-    send_buckets,
-    tensor_metadata,
-)
+from grpo_train.refit import TRANSPORTS, make_transport
+from grpo_train.refit.buckets import free_address, open_group, plan_buckets, receive_buckets, send_buckets
+from grpo_train.refit.check import check_refit
+from grpo_train.refit.metas import tensor_metadata
 
 TEMPERATURE = 0.7
 KIB = 1024
@@ -48,7 +41,7 @@ def test_bucket_plan_keeps_order_dtype_and_size():
 
 def test_tensor_metadata_survives_plain_rows():
     """An AsyncLLM engine gets the metadata through vLLM's msgpack RPC, as plain rows."""
-    from grpo_train.weight_transport import TensorMeta
+    from grpo_train.refit.metas import TensorMeta
 
     metas = tensor_metadata(sample_tensors().items())
     rows = [m.to_row() for m in metas]

@@ -21,7 +21,8 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from grpo_train.generation.group import GeneratorGroup, engines_of
-from grpo_train.train_step import check_refit, push_weights
+from grpo_train.refit import push_weights
+from grpo_train.train_step import check_refit
 
 T = TypeVar("T")
 # An engine that does not answer `weight_version` in this long is taken for dead (a live one

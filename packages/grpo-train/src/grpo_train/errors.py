@@ -4,7 +4,7 @@ Each is raised where the problem is found and caught at the top (`grpo_train.run
 which prints it as one line and exits 2 (config and startup problems) or stops the run. The
 modules that raise them re-export them, so `from grpo_train.setup import StartupError` keeps
 working. Configuration problems have their own type, `grpo_train.config.errors.ConfigError`
-(it carries the file and the key path); `weight_sync.RefitMismatchError` stays beside the
+(it carries the file and the key path); `refit.check.RefitMismatchError` stays beside the
 statistics it reports.
 """
 

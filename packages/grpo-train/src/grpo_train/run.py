@@ -66,10 +66,10 @@ def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None =
     from grpo_train.config.checks import check_optimizers_in_background
 
     optimizers_checked = check_optimizers_in_background(cfg, config_file)  # first: the rest imports torch too
-    from grpo_train import weight_sync
     from grpo_train.checkpoint import CheckpointManager
     from grpo_train.engine_faults import EngineFailed
     from grpo_train.loggers import MetricsLogger
+    from grpo_train.refit.check import RefitMismatchError
     from grpo_train.run_state import TrainerState, restore_checkpoint
     from grpo_train.setup import (
         actor_env_vars,
@@ -138,7 +138,7 @@ def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None =
             except StateFileError as exc:  # matched its manifest, yet not a state file grpo wrote
                 say(f"cannot resume {resume_from}: {str(getattr(exc, 'cause', None) or exc).splitlines()[0]}")
                 return EXIT_STARTUP
-            from grpo_train.train_step import push_weights
+            from grpo_train.refit import push_weights
 
             push_weights(parts.policy, parts.generator, state.weight_version)
             say(f"resumed from {resume_from} (step {state.step}; every file matched its manifest)")
@@ -156,7 +156,7 @@ def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None =
                 state = train_async(cfg, parts, logger, checkpoints, state)
             else:
                 state = train_sync(cfg, parts, logger, checkpoints, state)
-        except (NonFiniteLossError, weight_sync.RefitMismatchError, EngineFailed) as exc:
+        except (NonFiniteLossError, RefitMismatchError, EngineFailed) as exc:
             logger.close()  # ends the progress bar's line first
             logger = None
             say(f"run stopped at step {state.step + 1}: {exc}")

@@ -338,7 +338,7 @@ def attach_generators(cfg: GRPOMasterConfig, policy, generator) -> None:
     """Wait for the policy ranks and connect the weight transport to the engines (the sync and
     async loops push over it alike)."""
     from grpo_train.generation.group import engines_of
-    from grpo_train.weight_transport import choose_transport, make_transport
+    from grpo_train.refit import choose_transport, make_transport
 
     gen_cfg = cfg.policy.generation
     name = choose_transport(gen_cfg.weight_transport, gen_cfg.colocated.enabled, cfg.cluster.gpus_per_node > 0)

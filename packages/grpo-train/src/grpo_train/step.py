@@ -25,10 +25,11 @@ from grpo_train.config.schema import GRPOMasterConfig
 from grpo_train.deadline import SaveDeadline
 from grpo_train.engine_faults import EngineSupervisor, checked_refit, supervise
 from grpo_train.generation.base import SamplingSpec
+from grpo_train.refit import push_weights
 from grpo_train.rollout import rollout_batch
 from grpo_train.rollout.dynamic_sampling import fill_with_signal
 from grpo_train.run_state import TrainerState, save_checkpoint
-from grpo_train.train_step import add_logprobs, prepare_batch, push_weights
+from grpo_train.train_step import add_logprobs, prepare_batch
 from grpo_train.validation import validate, validation_turns
 
 # Distinct seeds per step so a resumed run samples exactly what the uninterrupted run sampled.
@@ -210,7 +211,7 @@ def push_and_check(cfg: GRPOMasterConfig, parts, engines: EngineSupervisor, memo
                    push: Callable[[int], object] | None = None,
                    before_push: Callable[[int], object] | None = None) -> dict[str, float]:
     """The refit phase: bump the weight version, push the trained weights into the engines
-    (`push(version)`, by default `train_step.push_weights`; retried through the engine-fault
+    (`push(version)`, by default `refit.push_weights`; retried through the engine-fault
     supervisor, `before_push(version)` once before it), then the refit check when due
     (grpo.refit_check.enabled, every grpo.refit_check.period versions). Returns the check's metrics."""
     memory.for_refit()

@@ -5,16 +5,14 @@ The batch components of the step (`step.py` strings them into phases), shared by
 
 from __future__ import annotations
 
-import time
-
 import ray
 import torch
 
-from grpo_train import weight_sync
 from grpo_train.advantages import groups_with_signal, scale_rewards, shape_rewards
 from grpo_train.batch import Rollout, build_train_batch, seq_mult_prob_error
 from grpo_train.config.schema import GRPOMasterConfig
 from grpo_train.group_estimators import GroupBatch, estimate_advantages, kl_in_reward
+from grpo_train.refit import check as refit_check
 
 
 def prepare_batch(cfg: GRPOMasterConfig, rollouts: list[Rollout], pad_id: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
@@ -129,23 +127,12 @@ def add_logprobs(cfg: GRPOMasterConfig, policy, batch: dict[str, torch.Tensor]) 
         batch["prev_logprobs"] = ray.get(policy.logprobs.remote(batch))
 
 
-def push_weights(policy, generator, version: int) -> float:
-    """Send the policy's weights to the generator over the run's weight transport
-    (`grpo_train.weight_transport`, attached in setup); seconds taken. A bare actor pair
-    (tests) goes through the object store (the ObjectRef travels, not a driver copy)."""
-    if not hasattr(policy, "push_weights"):
-        return ray.get(generator.update_weights.remote(policy.weights.remote(), version))
-    start = time.perf_counter()
-    policy.push_weights(version)
-    return time.perf_counter() - start
-
-
-def refit_limits(cfg: GRPOMasterConfig) -> weight_sync.RefitLimits:
+def refit_limits(cfg: GRPOMasterConfig) -> refit_check.RefitLimits:
     """grpo.refit_check's thresholds, a null one taking the default of the trainer/engine pair's
     coarser precision (the HF generator runs in policy.precision)."""
-    default = weight_sync.DEFAULT_LIMITS[gate_precision_of(cfg)]
+    default = refit_check.DEFAULT_LIMITS[gate_precision_of(cfg)]
     check = cfg.grpo.refit_check
-    return weight_sync.RefitLimits(
+    return refit_check.RefitLimits(
         max_abs_diff=check.max_abs_logprob_diff if check.max_abs_logprob_diff is not None else default.max_abs_diff,
         mean_abs_diff=(check.max_mean_abs_logprob_diff if check.max_mean_abs_logprob_diff is not None
                        else default.mean_abs_diff),
@@ -155,15 +142,15 @@ def refit_limits(cfg: GRPOMasterConfig) -> weight_sync.RefitLimits:
 
 def probe_size(cfg: GRPOMasterConfig) -> int:
     """grpo.refit_check.num_probe_sequences, or the default of the pair's coarser precision
-    (weight_sync.DEFAULT_PROBE_SEQUENCES)."""
+    (refit_check.DEFAULT_PROBE_SEQUENCES)."""
     n = cfg.grpo.refit_check.num_probe_sequences
-    return n if n is not None else weight_sync.DEFAULT_PROBE_SEQUENCES[gate_precision_of(cfg)]
+    return n if n is not None else refit_check.DEFAULT_PROBE_SEQUENCES[gate_precision_of(cfg)]
 
 
 def gate_precision_of(cfg: GRPOMasterConfig) -> str:
     """The coarser of the trainer's and the engine's precision (the HF generator runs in policy.precision)."""
     engine = cfg.policy.generation.vllm_cfg.precision if cfg.policy.generation.backend == "vllm" else cfg.policy.precision
-    return weight_sync.gate_precision(cfg.policy.precision, engine)
+    return refit_check.gate_precision(cfg.policy.precision, engine)
 
 
 def check_refit(cfg: GRPOMasterConfig, policy, generator, rollouts: list[Rollout]) -> dict[str, float]:
@@ -176,4 +163,4 @@ def check_refit(cfg: GRPOMasterConfig, policy, generator, rollouts: list[Rollout
         return {}
     trainer = ray.get(policy.score.remote(sequences, prompt_lens))
     generated = ray.get(generator.score.remote(sequences, prompt_lens))
-    return weight_sync.gate_refit(trainer, generated, refit_limits(cfg)).metrics()
+    return refit_check.gate_refit(trainer, generated, refit_limits(cfg)).metrics()

@@ -84,22 +84,22 @@ class RefitCheckConfig(Section):
     """After each weight push, score a probe batch in trainer and generator and compare."""
     num_probe_sequences: int | None = Field(None, ge=1)
     """Sequences in the probe batch (the step's first rollouts). null: the default of the pair's coarser
-    precision (weight_sync.DEFAULT_PROBE_SEQUENCES): 4 in float32, 64 in bfloat16/float16, whose
+    precision (refit.check.DEFAULT_PROBE_SEQUENCES): 4 in float32, 64 in bfloat16/float16, whose
     statistics need more tokens (4 sequences would stop a healthy bf16 demo run in up to 25% of checks)."""
     max_abs_logprob_diff: float | None = Field(None, gt=0)
     """Stop the run when one probe token's |trainer - generator| logprob difference exceeds this.
     null: the default of the pair's coarser precision (policy.precision vs vllm_cfg.precision;
-    weight_sync.DEFAULT_LIMITS): 1e-3 in float32, where a healthy pair's worst token differs by
+    refit.check.DEFAULT_LIMITS): 1e-3 in float32, where a healthy pair's worst token differs by
     ~1e-5 (demo model, measured); not gated in bfloat16/float16, where a healthy pair's worst
     token differs by up to ~0.26 (benchmarks/results/refit_gate_bf16.md)."""
     max_mean_abs_logprob_diff: float | None = Field(None, gt=0)
     """Stop the run when the mean over the probe's tokens of |trainer - generator| logprob exceeds
-    this. null: the precision's default (weight_sync.DEFAULT_LIMITS): 1e-4 in float32 (healthy
+    this. null: the precision's default (refit.check.DEFAULT_LIMITS): 1e-4 in float32 (healthy
     ~1e-6 on the demo model), 0.05 in bfloat16/float16 (healthy 6.5e-3..1.6e-2 on the demo model,
     measured; NeMo RL's healthy token_mult_prob_error ~1.05 is a mean of ~0.05)."""
     max_seq_logratio_rms: float | None = Field(None, gt=0)
     """Stop the run when sqrt(sum over probe sequences of (sum of the sequence's trainer - generator
-    logprobs)^2 / probe tokens) exceeds this (weight_sync.RefitStats.seq_logratio_rms): a broken refit
+    logprobs)^2 / probe tokens) exceeds this (refit.check.RefitStats.seq_logratio_rms): a broken refit
     shifts a sequence's tokens alike, rounding noise cancels. null: the precision's default: not
     gated in float32 (the max catches it), 0.05 in bfloat16/float16 (demo model, 3 seeds: healthy
     <= 0.038, one tensor skipped for 10 steps >= 0.069; benchmarks/results/refit_gate_bf16.md)."""
@@ -530,7 +530,7 @@ class GenerationConfig(Section):
     vllm_cfg: VllmConfig = VllmConfig()
     colocated: ColocatedConfig = ColocatedConfig()
     weight_transport: Literal["auto", "object_store", "collective", "ipc"] = "auto"
-    """How weights reach the engines after a step (grpo_train.weight_transport): object_store (Ray),
+    """How weights reach the engines after a step (grpo_train.refit): object_store (Ray),
     collective (gloo/NCCL broadcast in buckets), ipc (colocated GPUs only); auto: ipc when colocated
     on GPUs, collective when separate, object_store when colocated on CPU."""
     refit_buffer_size_gb: float = Field(1.0, gt=0)

@@ -66,7 +66,7 @@ class GenerationActor:
     def num_truncated_prompts(self) -> int:
         return int(getattr(self.generator, "num_truncated_prompts", 0))
 
-    # -- weight transports and colocation (vLLM only; see grpo_train.weight_transport) --------
+    # -- weight transports and colocation (vLLM only; see grpo_train.refit) --------
     def weight_group_size(self) -> int:
         return self._backend_method("weight_group_size", "collective")()
 

@@ -142,14 +142,14 @@ class AsyncVllmGenerator:
     async def update_weights(self, named_tensors, version: int, in_flight: bool = False,
                              reset_running_kv: bool = False) -> float:
         """`object_store` transport: load HF-named tensors (sent as safetensors bytes)."""
-        from grpo_train.generation.vllm_worker_ext import serialize_weights
+        from grpo_train.refit.object_store import serialize_weights
 
         start = time.perf_counter()
         check_weight_names(named_tensors, self._weight_names, self.model_path)
         await self._load("grpo_load_weights", (serialize_weights(named_tensors),), version, in_flight, reset_running_kv)
         return time.perf_counter() - start
 
-    # -- the collective transport (grpo_train.weight_transport) ------------------------------
+    # -- the collective transport (grpo_train.refit.collective) -----------------------------
 
     async def weight_group_size(self) -> int:
         """Ranks this engine adds to a collective weight group: one per vLLM worker."""

@@ -53,7 +53,7 @@ class HFGenerator:
             model_path, dtype=getattr(torch, dtype)
         ).to(self.device)
         self.model.eval()
-        from grpo_train.weight_sync import iter_refit_tensors
+        from grpo_train.refit.tensors import iter_refit_tensors
 
         # Checkpoint-format views of this model's own parameters: a push is copied into them
         # (a fused expert tensor receives its per-expert parts, a tied head its embedding).

@@ -2,7 +2,7 @@
 
 Job: wrap one `vllm.LLM` (engine core in this process) behind the `Generator` protocol.
 Boundary: no Ray (see `actor.py`), no training; weights arrive as HF-named tensors from
-`grpo_train.weight_sync.state_dict_for_refit` and are loaded by `vllm_worker_ext`.
+`grpo_train.refit.tensors.state_dict_for_refit` and are loaded by `vllm_worker_ext`.
 
 Which logprob vLLM returns, and why. vLLM 0.32's `logprobs_mode` offers `raw_logprobs`
 (log_softmax of the logits before temperature), `processed_logprobs` (after temperature AND
@@ -162,7 +162,7 @@ class VllmGenerator:
         check_weight_names(named_tensors, self._weight_names, self.model_path)
         payload = named_tensors
         if not self._in_process:
-            from grpo_train.generation.vllm_worker_ext import serialize_weights
+            from grpo_train.refit.object_store import serialize_weights
 
             payload = serialize_weights(named_tensors)
         self.llm.collective_rpc("grpo_load_weights", args=(payload,))
@@ -171,7 +171,7 @@ class VllmGenerator:
         self._version = int(version)
         return time.perf_counter() - start
 
-    # -- weight transports (grpo_train.weight_transport) and colocation ---------------------
+    # -- weight transports (grpo_train.refit) and colocation ---------------------------------
 
     def weight_group_size(self) -> int:
         """Ranks this engine adds to a collective weight group: one per vLLM worker."""

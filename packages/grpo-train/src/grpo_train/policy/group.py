@@ -17,7 +17,7 @@ Colocated generation on GPUs (`colocated_generation`): each rank takes half its 
 GPU when (engines asleep, trainer state offloaded) is `grpo_train.colocation`'s order, which calls
 this group's `offload` / `reload`.
 Boundary: no knowledge of rollouts or of the loop; weight pushes go through a transport
-(`grpo_train.weight_transport`).
+(`grpo_train.refit`).
 """
 
 from __future__ import annotations

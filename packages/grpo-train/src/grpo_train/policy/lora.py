@@ -4,7 +4,7 @@ Job: turn a `LoRAConfig` into peft's `LoraConfig`, inject the adapters into an H
 place (the module tree keeps its names, so logprobs, FSDP2's per-layer units and the refit's
 name rules still find `model.model.layers`), initialise lora_A the same on every data-parallel
 rank, and check the config against a model before anything trains. The merged refit lives in
-`grpo_train.weight_sync` (it needs no peft); the worker decides what trains and what is saved.
+`grpo_train.refit.tensors` (it needs no peft); the worker decides what trains and what is saved.
 Boundary: knows nothing of losses, batches, files or Ray.
 """
 

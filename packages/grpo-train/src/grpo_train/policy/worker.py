@@ -38,7 +38,7 @@ ADAPTER_DIR = "adapter"  # a LoRA checkpoint's adapters in PEFT format (save_pre
 
 
 def export_merged(model: torch.nn.Module, merged: dict[str, torch.Tensor], folder: Path) -> None:
-    """The merged weights (`weight_sync.iter_refit_tensors` of a LoRA model: base names, tied
+    """The merged weights (`refit.tensors.iter_refit_tensors` of a LoRA model: base names, tied
     weights once) as an HF model folder: config.json, generation config and safetensors."""
     from safetensors.torch import save_file
 
@@ -331,12 +331,14 @@ class PolicyWorker:
     def weights(self) -> dict[str, torch.Tensor]:
         """HF-named contiguous CPU tensors for the generator (tied weights appear once), in the
         compute dtype."""
-        return {name: t.to("cpu").contiguous() for name, t in self._refit_tensors()}
+        from grpo_train.refit.object_store import send_object_store
+
+        return send_object_store(self._refit_tensors())
 
     def _refit_tensors(self, gather: bool = True):
-        """What a refit pushes: `weight_sync.iter_refit_tensors` in the compute dtype (under
+        """What a refit pushes: `refit.tensors.iter_refit_tensors` in the compute dtype (under
         FSDP2 the gathered tensors are the fp32 masters; unsharded, the compute copy already is)."""
-        from grpo_train.weight_sync import iter_refit_tensors
+        from grpo_train.refit.tensors import iter_refit_tensors
 
         return compute_tensors(iter_refit_tensors(self.model, gather=gather), self.dtype)
 
@@ -474,9 +476,9 @@ class PolicyWorker:
         self._offloaded = ()
 
     # ------------------------------------------------- data parallelism and weight transports
-    # Called by grpo_train.policy.group (one Ray actor per rank) and grpo_train.weight_transport.
+    # Called by grpo_train.policy.group (one Ray actor per rank) and the transports of grpo_train.refit.
     def free_address(self) -> tuple[str, int]:
-        from grpo_train.weight_transport import free_address
+        from grpo_train.refit.buckets import free_address
 
         return free_address()
 
@@ -590,35 +592,28 @@ class PolicyWorker:
         return "nccl" if torch.cuda.is_available() else "gloo"
 
     def weight_metadata(self) -> list:
-        from grpo_train.weight_transport import tensor_metadata
+        from grpo_train.refit.metas import tensor_metadata
 
         return tensor_metadata(self._refit_tensors(gather=False))
 
     def open_weight_group(self, host: str, port: int, world_size: int, backend: str) -> None:
         """Rank 0 only: join the collective weight transport's group as its source (rank 0)."""
-        from grpo_train.weight_transport import open_group
+        from grpo_train.refit.collective import open_collective_sender
 
-        self._weight_group = open_group(host, port, 0, world_size, backend)
+        self._weight_group = open_collective_sender(host, port, world_size, backend)
 
     def send_weights(self, bucket_bytes: int) -> int:
         """Broadcast the weights in buckets (rank 0); under FSDP2 the other ranks call it too, to
         take part in gathering each full tensor. Returns the number of buckets sent."""
-        from grpo_train.weight_transport import send_buckets, tensor_metadata
+        from grpo_train.refit.collective import send_collective
 
-        if self._weight_group is None:
-            for _ in self._refit_tensors():
-                pass
-            return 0
-        metas = tensor_metadata(self._refit_tensors(gather=False))
         device = self.model.device if self.collective_backend() == "nccl" else torch.device("cpu")
-        tensors = (t for _, t in self._refit_tensors())
-        return send_buckets(self._weight_group, tensors, metas, bucket_bytes, device)
+        return send_collective(self._weight_group, self._refit_tensors, bucket_bytes, device)
 
     def ipc_handles(self) -> dict[str, list]:
         """GPU-only (colocated): CUDA IPC handles of the full weights on this rank's device, keyed
         by the device's UUID so that the vLLM worker on the same GPU picks them."""
-        from torch.multiprocessing.reductions import reduce_tensor
+        from grpo_train.refit.ipc import send_ipc
 
-        self._ipc_tensors = [(name, t.contiguous()) for name, t in self._refit_tensors()]
-        uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
-        return {uuid: [(name, reduce_tensor(t)) for name, t in self._ipc_tensors]}
+        self._ipc_tensors, handles = send_ipc(self._refit_tensors())  # kept alive while engines map them
+        return handles

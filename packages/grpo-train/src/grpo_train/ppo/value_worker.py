@@ -208,7 +208,7 @@ class ValueWorker:
 
     # ------------------------------------------------------------------ data parallelism
     def free_address(self) -> tuple[str, int]:
-        from grpo_train.weight_transport import free_address
+        from grpo_train.refit.buckets import free_address
 
         return free_address()
 
