@@ -38,7 +38,7 @@ def main() -> int:
     from grpo_train.config.schema import ClusterConfig, LossConfig, PolicyConfig
     from grpo_train.generation import make_generation_actor
     from grpo_train.policy.group import PolicyGroup
-    from grpo_train.refit import GIB, make_transport
+    from grpo_train.refit import GIB, make_transport, push_weights
     from grpo_train.refit.buckets import plan_buckets
     from grpo_train.setup import actor_env_vars, init_ray, resolve_model_path
 
@@ -57,7 +57,7 @@ def main() -> int:
         seconds = []
         for version in range(args.pushes):
             start = time.perf_counter()
-            policy.push_weights(version)
+            push_weights(policy, engine, version)
             seconds.append(time.perf_counter() - start)
         buckets = len(plan_buckets(metas, bucket_bytes)) if name == "collective" else "-"
         rows.append(f"| {name} | {bucket_bytes / MIB:g} | {buckets} | {statistics.median(seconds) * 1000:.1f} |")

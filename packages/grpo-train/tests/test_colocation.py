@@ -156,7 +156,7 @@ def test_async_grpo_calls_the_same_phases_at_the_trainer_points(recorded, monkey
     group = SimpleNamespace(rollouts=[], epoch=0, env_metrics={})
     monkeypatch.setattr(async_loop, "make_collector", lambda *a, **k: (buffer, collector))
     monkeypatch.setattr(async_loop, "take_groups", lambda *a, **k: (recorded.append(("take_groups", "")), [group])[1])
-    monkeypatch.setattr(async_loop, "push_weights", lambda *a, **k: recorded.append(("push", "")))
+    monkeypatch.setattr(async_loop, "push_for_collector", lambda *a, **k: recorded.append(("push", "")))
     monkeypatch.setattr(async_loop, "prepare_batch", lambda *a, **k: ({"input_ids": torch.zeros(2, 3)}, {}))
     monkeypatch.setattr(async_loop, "add_advantages", lambda *a, **k: {})
     monkeypatch.setattr(async_loop, "pipeline_metrics", lambda *a, **k: {})

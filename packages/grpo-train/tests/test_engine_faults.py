@@ -134,6 +134,7 @@ def test_async_run_survives_a_killed_engine_under_the_collector(uninterrupted, t
     finishes with the uninterrupted sync run's metrics, one restart, and every step trained on
     exactly its own prompts, once, from the weights before it."""
     from grpo_train import async_loop, setup
+    from grpo_train.refit import push_weights
 
     cfg, raw = config(steps=3, restarts=1, backend="vllm", async_grpo={"enabled": True, "max_trajectory_age_steps": 0})
     hf_cfg, _ = config(steps=3, restarts=1)  # async GRPO's config names vLLM; the engine here is HF all the same
@@ -141,10 +142,10 @@ def test_async_run_survives_a_killed_engine_under_the_collector(uninterrupted, t
     monkeypatch.setattr(setup, "engine_factories", lambda _cfg, path, policy: real_factories(hf_cfg, path, policy))
     taken = []
 
-    def push_weights(cfg, parts, collector, version):
+    def push_for_collector(cfg, parts, collector, version):
         # The loop's push without the async engine's pause options (the HF engine takes none; with
         # in-flight updates off they change nothing).
-        parts.policy.push_weights(version)
+        push_weights(parts.policy, parts.generator, version)
         if version == 1:
             kill_engine_process(parts.generator)  # before the collector may start step 2's batch with it
         ray.get(collector.weights_loaded.remote(version))
@@ -155,7 +156,7 @@ def test_async_run_survives_a_killed_engine_under_the_collector(uninterrupted, t
         return groups
 
     real_take = async_loop.take_groups
-    monkeypatch.setattr(async_loop, "push_weights", push_weights)
+    monkeypatch.setattr(async_loop, "push_for_collector", push_for_collector)
     monkeypatch.setattr(async_loop, "take_groups", take_groups)
     code, rows = train(tmp_path, "async", cfg, raw)
     assert code == 0

@@ -166,7 +166,7 @@ def test_refit_as_safetensors_bytes(vllm_gen, base_model):
     plens = [len(p) for p in PROBE_PROMPTS]
     blob = serialize_weights(state_dict_for_refit(trained))
     assert isinstance(blob, bytes)
-    vllm_gen.llm.collective_rpc("grpo_load_weights", args=(blob,))
+    vllm_gen.llm.collective_rpc("grpo_receive_object_store", args=(blob,))
     vllm_gen.llm.reset_prefix_cache()
     check_refit(trainer_logprobs(trained, seqs, plens), vllm_gen.score(seqs, plens), ATOL)
 

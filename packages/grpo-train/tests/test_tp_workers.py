@@ -57,10 +57,10 @@ def collective_refit(group) -> dict[str, torch.Tensor]:
     transport (this process is the receiving rank of a real gloo group)."""
     metas = ray.get(group.weight_metadata.remote())
     host, port = ray.get(group.free_address.remote())
-    opened = group.open_weight_group.remote(host, port, 2, "gloo")
+    opened = group.open_collective.remote(host, port, 2, "gloo")
     receiver = open_group(host, port, 1, 2, "gloo")
     ray.get(opened)
-    sent = group.send_weights.remote(BUCKET_BYTES)
+    sent = group.send_collective.remote(BUCKET_BYTES)
     received = {name: t.clone() for name, t in receive_buckets(receiver, metas, BUCKET_BYTES, torch.device("cpu"))}
     assert ray.get(sent) > 1
     return received

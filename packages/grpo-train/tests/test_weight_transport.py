@@ -13,7 +13,7 @@ import ray
 import torch
 
 from grpo_train.config.schema import ClusterConfig, LossConfig, PolicyConfig
-from grpo_train.refit import TRANSPORTS, make_transport
+from grpo_train.refit import TRANSPORTS, make_transport, push_weights
 from grpo_train.refit.buckets import free_address, open_group, plan_buckets, receive_buckets, send_buckets
 from grpo_train.refit.check import check_refit
 from grpo_train.refit.metas import tensor_metadata
@@ -153,7 +153,7 @@ def test_colocated_engine_sleeps_and_is_refit_over_ipc(tiny_qwen2_dir):
     batch["prev_logprobs"] = ray.get(policy.logprobs.remote(batch))
     ray.get(policy.train.remote(batch))
     memory.for_refit()  # gradients, optimizer state offloaded; the engine wakes
-    policy.push_weights(version=1)
+    push_weights(policy, engine, 1)
     probe = [list(range(3, 27))]
     trainer = ray.get(policy.score.remote(probe, [6]))
     assert check_refit(trainer, ray.get(engine.score.remote(probe, [6])), float("inf")) <= 1e-3

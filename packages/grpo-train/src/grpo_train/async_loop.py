@@ -28,6 +28,7 @@ from grpo_train.collector import SharedParts, make_collector_actor
 from grpo_train.colocation import MemoryChoreography
 from grpo_train.config.schema import GRPOMasterConfig
 from grpo_train.engine_faults import EngineSupervisor, supervise
+from grpo_train.refit import push_weights
 from grpo_train.replay_buffer import GroupEntry, make_replay_buffer_actor
 from grpo_train.run_state import TrainerState, save_checkpoint
 from grpo_train.step import (
@@ -76,7 +77,7 @@ def train_async(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Traine
             waited: list[float] = []
             metrics |= push_and_check(
                 cfg, parts, engines, memory, timer, state, rollouts,
-                push=lambda version: push_weights(cfg, parts, collector, version),
+                push=lambda version: push_for_collector(cfg, parts, collector, version),
                 before_push=hold_for_push(collector, engines, waited) if held else None)
             push_wait = waited[0] if waited else 0.0
 
@@ -132,12 +133,12 @@ def make_collector(cfg: GRPOMasterConfig, parts, checkpoints, state: TrainerStat
     return buffer, collector
 
 
-def push_weights(cfg: GRPOMasterConfig, parts, collector, version: int) -> None:
-    """The trained weights into the engine over the run's weight transport (attached in setup),
-    with the async engine's pause options; then the collector may generate with them."""
+def push_for_collector(cfg: GRPOMasterConfig, parts, collector, version: int) -> None:
+    """`refit.push_weights` with the async engine's pause options; then the collector may
+    generate with the new weights."""
     flags = cfg.grpo.async_grpo
-    parts.policy.push_weights(version, in_flight=flags.in_flight_weight_updates,
-                              reset_running_kv=flags.recompute_kv_cache_after_weight_updates)
+    push_weights(parts.policy, parts.generator, version, in_flight=flags.in_flight_weight_updates,
+                 reset_running_kv=flags.recompute_kv_cache_after_weight_updates)
     ray.get(collector.weights_loaded.remote(version))
 
 

@@ -70,15 +70,15 @@ class GenerationActor:
     def weight_group_size(self) -> int:
         return self._backend_method("weight_group_size", "collective")()
 
-    def open_weight_group(self, host, port, rank_offset, world_size, backend, metas, bucket_bytes) -> None:
-        self._backend_method("open_weight_group", "collective")(
+    def open_collective(self, host, port, rank_offset, world_size, backend, metas, bucket_bytes) -> None:
+        self._backend_method("open_collective", "collective")(
             host, port, rank_offset, world_size, backend, metas, bucket_bytes)
 
-    def receive_weights(self, version: int) -> float:
-        return self._backend_method("receive_weights", "collective")(version)
+    def receive_collective(self, version: int) -> float:
+        return self._backend_method("receive_collective", "collective")(version)
 
-    def update_weights_ipc(self, handles_by_device, version: int) -> float:
-        return self._backend_method("update_weights_ipc", "ipc")(handles_by_device, version)
+    def receive_ipc(self, handles_by_device, version: int) -> float:
+        return self._backend_method("receive_ipc", "ipc")(handles_by_device, version)
 
     def sleep(self) -> None:
         self._backend_method("sleep", "colocated sleep")()

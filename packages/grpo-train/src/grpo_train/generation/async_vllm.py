@@ -9,7 +9,7 @@ extension as the offline engine (`vllm_worker_ext`).
 `AsyncLLM` always runs its engine core in a child process, so weight tensors cannot travel as
 RPC arguments: over the `object_store` transport they go as safetensors bytes
 (`serialize_weights`); over `collective` the engine's worker joins the trainer's process group
-and receives buckets itself (`grpo_open_weight_group` / `grpo_receive_weights`, the offline
+and receives buckets itself (`grpo_open_collective` / `grpo_receive_collective`, the offline
 engine's receivers), so only the call crosses the RPC.
 
 Determinism. Sampling draws from the engine's random streams, so what a request samples depends
@@ -18,7 +18,7 @@ batch's requests and only then resumes it: the first scheduled step sees the who
 `LLM.generate` does, and a reseeded engine with the same weights and prompts samples exactly
 what the offline engine samples.
 
-Weight pushes (`update_weights`, `receive_weights`): the scheduler is paused — after the
+Weight pushes (`update_weights`, `receive_collective`): the scheduler is paused — after the
 running requests finish (`in_flight=False`), or with them frozen mid-sequence (`in_flight=True`,
 they then continue under the new weights) — the weights are loaded, the prefix cache is reset
 (and with `reset_running_kv`, the KV of frozen requests too, so they recompute it under the new
@@ -146,7 +146,7 @@ class AsyncVllmGenerator:
 
         start = time.perf_counter()
         check_weight_names(named_tensors, self._weight_names, self.model_path)
-        await self._load("grpo_load_weights", (serialize_weights(named_tensors),), version, in_flight, reset_running_kv)
+        await self._load("grpo_receive_object_store", (serialize_weights(named_tensors),), version, in_flight, reset_running_kv)
         return time.perf_counter() - start
 
     # -- the collective transport (grpo_train.refit.collective) -----------------------------
@@ -155,20 +155,20 @@ class AsyncVllmGenerator:
         """Ranks this engine adds to a collective weight group: one per vLLM worker."""
         return self.tensor_parallel_size
 
-    async def open_weight_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
+    async def open_collective(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
                                 metas: list, bucket_bytes: int) -> None:
         """Join the trainer's weight group (the trainer joins it at the same time). The tensor
         metadata crosses into the engine process as plain rows (vLLM's RPC is msgpack)."""
         check_weight_names([m.name for m in metas], self._weight_names, self.model_path)
         rows = [m.to_row() for m in metas]
-        await self.engine.collective_rpc("grpo_open_weight_group",
+        await self.engine.collective_rpc("grpo_open_collective",
                                          args=(host, port, rank_offset, world_size, backend, rows, bucket_bytes))
 
-    async def receive_weights(self, version: int, in_flight: bool = False, reset_running_kv: bool = False) -> float:
+    async def receive_collective(self, version: int, in_flight: bool = False, reset_running_kv: bool = False) -> float:
         """The receiving half of a `collective` push: the same pause/resume as `update_weights`
         around the worker's bucket receiver, while the trainer broadcasts."""
         start = time.perf_counter()
-        await self._load("grpo_receive_weights", (), version, in_flight, reset_running_kv)
+        await self._load("grpo_receive_collective", (), version, in_flight, reset_running_kv)
         return time.perf_counter() - start
 
     async def _load(self, method: str, args: tuple, version: int, in_flight: bool, reset_running_kv: bool) -> None:

@@ -165,7 +165,7 @@ class VllmGenerator:
             from grpo_train.refit.object_store import serialize_weights
 
             payload = serialize_weights(named_tensors)
-        self.llm.collective_rpc("grpo_load_weights", args=(payload,))
+        self.llm.collective_rpc("grpo_receive_object_store", args=(payload,))
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
         self._version = int(version)
@@ -177,23 +177,23 @@ class VllmGenerator:
         """Ranks this engine adds to a collective weight group: one per vLLM worker."""
         return self.tensor_parallel_size
 
-    def open_weight_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
+    def open_collective(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
                           metas: list, bucket_bytes: int) -> None:
         check_weight_names([m.name for m in metas], self._weight_names, self.model_path)
-        self.llm.collective_rpc("grpo_open_weight_group",
+        self.llm.collective_rpc("grpo_open_collective",
                                 args=(host, port, rank_offset, world_size, backend, metas, bucket_bytes))
 
-    def receive_weights(self, version: int) -> float:
+    def receive_collective(self, version: int) -> float:
         """The receiving half of a `collective` push (the trainer broadcasts at the same time)."""
         start = time.perf_counter()
-        self.llm.collective_rpc("grpo_receive_weights")
+        self.llm.collective_rpc("grpo_receive_collective")
         self._after_refit(version)
         return time.perf_counter() - start
 
-    def update_weights_ipc(self, handles_by_device: dict, version: int) -> float:
+    def receive_ipc(self, handles_by_device: dict, version: int) -> float:
         """`ipc` (GPU-only): load from the trainer's tensors on the same GPUs."""
         start = time.perf_counter()
-        self.llm.collective_rpc("grpo_load_ipc_weights", args=(handles_by_device,))
+        self.llm.collective_rpc("grpo_receive_ipc", args=(handles_by_device,))
         self._after_refit(version)
         return time.perf_counter() - start
 

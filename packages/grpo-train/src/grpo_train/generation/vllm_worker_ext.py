@@ -3,14 +3,13 @@
 Job: methods mixed into vLLM's worker through `worker_extension_cls` (this class is named by its
 dotted path, so it must stay importable without side effects) and called with
 `LLM.collective_rpc("<method>", args=...)`:
-  - `grpo_load_weights`: reload new checkpoint-format weights (HF names) in place;
   - `grpo_set_logprob_temperature`: make the engine's logits, and so its logprobs, be
     `logits / T`;
   - `grpo_reseed`: restart the sampler's random streams (per-step seeding for exact resume);
   - the receivers of the weight transports, each a thin call into its transport's module of
-    `grpo_train.refit`: `grpo_load_weights` (object_store), `grpo_open_weight_group` +
-    `grpo_receive_weights` (collective: streamed buckets from trainer rank 0),
-    `grpo_load_ipc_weights` (ipc, GPU-only).
+    `grpo_train.refit`: `grpo_receive_object_store` (object_store), `grpo_open_collective` +
+    `grpo_receive_collective` (collective: streamed buckets from trainer rank 0),
+    `grpo_receive_ipc` (ipc, GPU-only).
 Boundary: knows vLLM internals of one version (0.32) and nothing about training; the trainer
 side (`VllmGenerator.update_weights`, `grpo_train.refit`) decides what to send and when.
 
@@ -28,7 +27,7 @@ if TYPE_CHECKING:
 class GrpoWorkerExtension:
     """Mixed into vLLM's Worker; `self` is the worker (has `model_runner`, `vllm_config`)."""
 
-    def grpo_load_weights(self, named_tensors: dict[str, torch.Tensor] | bytes) -> int:
+    def grpo_receive_object_store(self, named_tensors: dict[str, torch.Tensor] | bytes) -> int:
         """`object_store`: `grpo_train.refit.object_store.receive_object_store`."""
         from grpo_train.refit.object_store import receive_object_store
 
@@ -64,20 +63,20 @@ class GrpoWorkerExtension:
 
     # -- transports (grpo_train.refit): each receiver is named after its transport --------------
 
-    def grpo_open_weight_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
-                               metas: list, bucket_bytes: int) -> int:
+    def grpo_open_collective(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
+                             metas: list, bucket_bytes: int) -> int:
         """`collective`: `grpo_train.refit.collective.open_collective_receiver`."""
         from grpo_train.refit.collective import open_collective_receiver
 
         return open_collective_receiver(self, host, port, rank_offset, world_size, backend, metas, bucket_bytes)
 
-    def grpo_receive_weights(self) -> int:
+    def grpo_receive_collective(self) -> int:
         """`collective`: `grpo_train.refit.collective.receive_collective`."""
         from grpo_train.refit.collective import receive_collective
 
         return receive_collective(self)
 
-    def grpo_load_ipc_weights(self, handles_by_device: dict[str, list]) -> int:
+    def grpo_receive_ipc(self, handles_by_device: dict[str, list]) -> int:
         """`ipc` (GPU-only): `grpo_train.refit.ipc.receive_ipc`."""
         from grpo_train.refit.ipc import receive_ipc
 

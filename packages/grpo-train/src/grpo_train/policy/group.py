@@ -107,17 +107,10 @@ class PolicyGroup(RankGroup):
         self._sharded = any(answers)  # each rank says whether it sharded with FSDP2
 
     def attach(self, transport, generators: list) -> None:
-        """Connect the weight transport to the generation engines (`push_weights` uses it)."""
+        """Connect the weight transport to the generation engines (`refit.push_weights` uses it)."""
         self.start()
         self.transport, self.generators = transport, list(generators)
         transport.connect(self, self.generators)
-
-    def push_weights(self, version: int, **options) -> None:
-        """The trained weights into every attached engine, over the attached transport; `options`
-        go to each engine's receiving call (the async engine's pause options)."""
-        if self.transport is None:
-            raise RuntimeError("PolicyGroup.push_weights before attach(transport, generators)")
-        self.transport.push(self, self.generators, version, **options)
 
     # -------------------------------------------------------------------------- scoring
     def _dp_rows(self, n: int) -> list[slice]:
@@ -191,17 +184,17 @@ class PolicyGroup(RankGroup):
         return self.rank0.weight_metadata.remote()
 
     @remote_method
-    def open_weight_group(self, host: str, port: int, world_size: int, backend: str):
-        return self.rank0.open_weight_group.remote(host, port, world_size, backend)
+    def open_collective(self, host: str, port: int, world_size: int, backend: str):
+        return self.rank0.open_collective.remote(host, port, world_size, backend)
 
     @remote_method
-    def send_weights(self, bucket_bytes: int):
-        return [w.send_weights.remote(bucket_bytes) for w in self._gathering_workers()][0]
+    def send_collective(self, bucket_bytes: int):
+        return [w.send_collective.remote(bucket_bytes) for w in self._gathering_workers()][0]
 
     @remote_method
-    def ipc_handles(self):
+    def send_ipc(self):
         merged: dict[str, list] = {}
-        for handles in ray.get([w.ipc_handles.remote() for w in self.workers]):
+        for handles in ray.get([w.send_ipc.remote() for w in self.workers]):
             merged.update(handles)
         return ray.put(merged)
 

@@ -596,24 +596,24 @@ class PolicyWorker:
 
         return tensor_metadata(self._refit_tensors(gather=False))
 
-    def open_weight_group(self, host: str, port: int, world_size: int, backend: str) -> None:
+    def open_collective(self, host: str, port: int, world_size: int, backend: str) -> None:
         """Rank 0 only: join the collective weight transport's group as its source (rank 0)."""
-        from grpo_train.refit.collective import open_collective_sender
+        from grpo_train.refit import collective
 
-        self._weight_group = open_collective_sender(host, port, world_size, backend)
+        self._weight_group = collective.open_collective_sender(host, port, world_size, backend)
 
-    def send_weights(self, bucket_bytes: int) -> int:
+    def send_collective(self, bucket_bytes: int) -> int:
         """Broadcast the weights in buckets (rank 0); under FSDP2 the other ranks call it too, to
         take part in gathering each full tensor. Returns the number of buckets sent."""
-        from grpo_train.refit.collective import send_collective
+        from grpo_train.refit import collective
 
         device = self.model.device if self.collective_backend() == "nccl" else torch.device("cpu")
-        return send_collective(self._weight_group, self._refit_tensors, bucket_bytes, device)
+        return collective.send_collective(self._weight_group, self._refit_tensors, bucket_bytes, device)
 
-    def ipc_handles(self) -> dict[str, list]:
+    def send_ipc(self) -> dict[str, list]:
         """GPU-only (colocated): CUDA IPC handles of the full weights on this rank's device, keyed
         by the device's UUID so that the vLLM worker on the same GPU picks them."""
-        from grpo_train.refit.ipc import send_ipc
+        from grpo_train.refit import ipc
 
-        self._ipc_tensors, handles = send_ipc(self._refit_tensors())  # kept alive while engines map them
+        self._ipc_tensors, handles = ipc.send_ipc(self._refit_tensors())  # kept alive while engines map them
         return handles

@@ -52,15 +52,18 @@ def make_transport(name: str, refit_buffer_size_gb: float) -> Any:
 
 def push_weights(policy, generator, version: int, **options) -> float:
     """The one weight push: the policy's trained weights into every engine over the transport
-    attached in setup (`PolicyGroup.attach`); `options` go to each engine's receiving call (the
-    async engine's pause options). Seconds taken. A bare actor pair (tests) goes through the
-    object store (the ObjectRef travels, not a driver copy)."""
-    if not hasattr(policy, "push_weights"):
+    attached to the policy group in setup (`PolicyGroup.attach`: the transport and the engines);
+    `options` go to each engine's receiving call (the async engine's pause options). Seconds
+    taken. A policy with no transport attached (a bare worker actor and its engine, in tests)
+    goes through the object store (the ObjectRef travels, not a driver copy)."""
+    start = time.perf_counter()
+    transport = getattr(policy, "transport", None)
+    if transport is None:
         import ray
 
-        return ray.get(generator.update_weights.remote(policy.weights.remote(), version))
-    start = time.perf_counter()
-    policy.push_weights(version, **options)
+        ray.get(generator.update_weights.remote(policy.weights.remote(), version))
+    else:
+        transport.push(policy, policy.generators, version, **options)
     return time.perf_counter() - start
 
 

@@ -4,10 +4,10 @@ Orchestration (`CollectiveTransport`): `connect` once joins rank 0 and every vLL
 engine in one process group (gloo on CPU, NCCL on GPUs) and hands the receivers the tensor
 metadata; `push` after every step runs both halves at once. For separate placement: the extra
 memory on either side is one bucket of at most `refit_buffer_size_gb` (`refit/buckets.py`).
-Trainer side: `open_collective_sender` and `send_collective` (`PolicyWorker.open_weight_group`,
-`PolicyWorker.send_weights`); under FSDP2 every rank iterates the weights, to gather.
+Trainer side: `open_collective_sender` and `send_collective` (`PolicyWorker.open_collective`,
+`PolicyWorker.send_collective`); under FSDP2 every rank iterates the weights, to gather.
 Engine side: `open_collective_receiver` and `receive_collective` (the vLLM worker extension's
-`grpo_open_weight_group`, `grpo_receive_weights`): the push is loaded as it streams in.
+`grpo_open_collective`, `grpo_receive_collective`): the push is loaded as it streams in.
 Boundary: Ray only inside `connect`/`push`; no vLLM import.
 """
 
@@ -40,10 +40,10 @@ class CollectiveTransport:
         metas = ray.get(policy.weight_metadata.remote())
         sizes = ray.get([g.weight_group_size.remote() for g in generators])
         world_size = 1 + sum(sizes)
-        calls = [policy.open_weight_group.remote(host, port, world_size, backend)]
+        calls = [policy.open_collective.remote(host, port, world_size, backend)]
         offset = 1
         for generator, size in zip(generators, sizes):
-            calls.append(generator.open_weight_group.remote(host, port, offset, world_size, backend,
+            calls.append(generator.open_collective.remote(host, port, offset, world_size, backend,
                                                             metas, self.bucket_bytes))
             offset += size
         ray.get(calls)
@@ -51,8 +51,8 @@ class CollectiveTransport:
     def push(self, policy, generators: list, version: int, **options) -> None:
         import ray
 
-        ray.get([policy.send_weights.remote(self.bucket_bytes),
-                 *[g.receive_weights.remote(version, **options) for g in generators]])
+        ray.get([policy.send_collective.remote(self.bucket_bytes),
+                 *[g.receive_collective.remote(version, **options) for g in generators]])
 
 
 def open_collective_sender(host: str, port: int, world_size: int, backend: str):
@@ -93,7 +93,7 @@ def receive_collective(worker) -> int:
     import torch
 
     if getattr(worker, "_grpo_group", None) is None:
-        raise RuntimeError("grpo_receive_weights before grpo_open_weight_group")
+        raise RuntimeError("grpo_receive_collective before grpo_open_collective")
     device = worker.device if worker._grpo_backend == "nccl" else torch.device("cpu")
     stream = receive_buckets(worker._grpo_group, worker._grpo_metas, worker._grpo_bucket_bytes, device)
     reload_weights(worker, stream, drain=stream)

@@ -3,8 +3,8 @@
 Orchestration (`IpcTransport`): every trainer rank hands out CUDA IPC handles of its full
 weights, keyed by its device's UUID, and every engine loads from the handles of its own GPU: no
 copy of the weights in flight. For colocated placement on GPUs.
-Trainer side: `send_ipc` (`PolicyWorker.ipc_handles`). Engine side: `receive_ipc` (the vLLM
-worker extension's `grpo_load_ipc_weights`).
+Trainer side: `send_ipc` (`PolicyWorker.send_ipc`). Engine side: `receive_ipc` (the vLLM
+worker extension's `grpo_receive_ipc`).
 Boundary: Ray only inside `connect`/`push`; no vLLM import.
 """
 
@@ -38,8 +38,8 @@ class IpcTransport:
     def push(self, policy, generators: list, version: int, **options) -> None:
         import ray
 
-        handles = policy.ipc_handles.remote()
-        ray.get([g.update_weights_ipc.remote(handles, version, **options) for g in generators])
+        handles = policy.send_ipc.remote()
+        ray.get([g.receive_ipc.remote(handles, version, **options) for g in generators])
 
 
 def send_ipc(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[list, dict[str, list]]:

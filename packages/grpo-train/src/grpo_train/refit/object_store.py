@@ -4,7 +4,7 @@ Orchestration (`ObjectStoreTransport`): rank 0 puts its weights in the object st
 engine loads them (the ObjectRef travels, not a driver copy). Any placement, any backend; one
 full CPU copy in flight.
 Trainer side: `send_object_store` (`PolicyWorker.weights`): contiguous CPU tensors.
-Engine side: `receive_object_store` (the vLLM worker extension's `grpo_load_weights`): the
+Engine side: `receive_object_store` (the vLLM worker extension's `grpo_receive_object_store`): the
 name->tensor dict, or the same dict as safetensors bytes (`serialize_weights`) for an engine in
 another process; the HF generator loads the dict in its `update_weights`.
 Boundary: Ray only inside `push`; no vLLM import.
@@ -46,7 +46,7 @@ def send_object_store(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict
 
 
 def serialize_weights(named_tensors: dict[str, torch.Tensor]) -> bytes:
-    """Sender twin of the bytes path of `grpo_load_weights`."""
+    """Sender twin of the bytes path of `grpo_receive_object_store`."""
     from safetensors.torch import save as save_safetensors
 
     return save_safetensors({k: v.detach().cpu().contiguous() for k, v in named_tensors.items()})
@@ -63,7 +63,7 @@ def receive_object_store(worker, named_tensors: dict[str, torch.Tensor] | bytes)
         named_tensors = load_safetensors(bytes(named_tensors))
     items = list(named_tensors.items())
     if not items:
-        raise ValueError("grpo_load_weights got no tensors")
+        raise ValueError("grpo_receive_object_store got no tensors")
     reload_weights(worker, iter(items))
     return len(items)
 
