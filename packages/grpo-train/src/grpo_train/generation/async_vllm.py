@@ -156,7 +156,7 @@ class AsyncVllmGenerator:
         return self.tensor_parallel_size
 
     async def open_collective(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
-                                metas: list, bucket_bytes: int) -> None:
+                              metas: list, bucket_bytes: int) -> None:
         """Join the trainer's weight group (the trainer joins it at the same time). The tensor
         metadata crosses into the engine process as plain rows (vLLM's RPC is msgpack)."""
         check_weight_names([m.name for m in metas], self._weight_names, self.model_path)

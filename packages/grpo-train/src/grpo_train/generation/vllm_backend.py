@@ -178,7 +178,7 @@ class VllmGenerator:
         return self.tensor_parallel_size
 
     def open_collective(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
-                          metas: list, bucket_bytes: int) -> None:
+                        metas: list, bucket_bytes: int) -> None:
         check_weight_names([m.name for m in metas], self._weight_names, self.model_path)
         self.llm.collective_rpc("grpo_open_collective",
                                 args=(host, port, rank_offset, world_size, backend, metas, bucket_bytes))

@@ -44,7 +44,7 @@ class CollectiveTransport:
         offset = 1
         for generator, size in zip(generators, sizes):
             calls.append(generator.open_collective.remote(host, port, offset, world_size, backend,
-                                                            metas, self.bucket_bytes))
+                                                          metas, self.bucket_bytes))
             offset += size
         ray.get(calls)
 

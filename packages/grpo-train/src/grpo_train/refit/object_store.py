@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     import torch
 
 
-# ------------------------------------------------------------------------ driver-side transports
 class ObjectStoreTransport:
     """Rank 0's state dict through Ray's object store (the ObjectRef travels, not a driver copy)."""
 
