@@ -55,11 +55,13 @@ def open_group(host: str, port: int, rank: int, world_size: int, backend: str):
     store), independent of torch.distributed's default group."""
     import torch.distributed as dist
 
-    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=GROUP_TIMEOUT)
+    # torch exports TCPStore and takes NCCL's options as optional at run time; its stubs say neither.
+    tcp_store = dist.TCPStore  # pyright: ignore[reportPrivateImportUsage]
+    store = tcp_store(host, port, world_size, is_master=rank == 0, timeout=GROUP_TIMEOUT)
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, GROUP_TIMEOUT)
     if backend == "nccl":
-        return dist.ProcessGroupNCCL(store, rank, world_size)
+        return dist.ProcessGroupNCCL(store, rank, world_size)  # pyright: ignore[reportCallIssue]
     raise ValueError(f"unknown collective backend {backend!r}; expected 'gloo' or 'nccl'")
 
 

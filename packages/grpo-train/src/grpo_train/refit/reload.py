@@ -69,7 +69,7 @@ def _kernel_reprocessing(model):
     for layer in model.modules():
         quant_method = getattr(layer, "quant_method", None)
         kernel_step = _kernel_processing_step(quant_method)
-        if kernel_step is None:
+        if quant_method is None or kernel_step is None:
             continue
         own = quant_method.process_weights_after_loading
 
