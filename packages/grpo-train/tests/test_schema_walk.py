@@ -449,7 +449,7 @@ def _sections(model: type[BaseModel] = GRPOMasterConfig, prefix: str = "") -> di
 
 def _declaration_sites(section: type[BaseModel], name: str) -> list[str]:
     """Where the key `name` of `section` is written down: a class body in the schema, or the leaf
-    package's dataclass that a section made by `schema._section_of` takes its fields from."""
+    package's dataclass that a section made by `schema.section_of` takes its fields from."""
     sites = []
     for cls in section.__mro__:
         component = cls.__dict__.get("__declared_in__")
@@ -504,4 +504,4 @@ def test_declared_once_check_catches_a_copied_key():
 
     assert len(_declaration_sites(Twice, "ratio_clip_max")) == 2
     assert _declaration_sites(LossConfig, "ratio_clip_max") == ["grpo_kernels.loss_config.PGLossConfig"]
-    assert _declaration_sites(LossConfig, "use_kl_in_reward") == ["grpo_train.config.schema.LossConfig"]
+    assert _declaration_sites(LossConfig, "use_kl_in_reward") == ["grpo_train.config.schema.loss.LossConfig"]

@@ -78,18 +78,18 @@ def _load(name: str, overrides: list[str], check: bool = True, optimizers: bool 
     """The validated config and its resolved dict; with `check`, also the checks that build the
     optimizer (unless `optimizers` is false: `grpo train` runs that one beside Ray's start) and
     look up the environments (grpo_train.config.checks)."""
-    from grpo_train.config import load_config
+    from grpo_train.config import load_config  # here, not at the top: `grpo --help` loads no schema
 
     config, raw = load_config(name, overrides, [CONFIG_DIR])
     if check:
-        from grpo_train.config.checks import check_config
+        from grpo_train.config.checks import check_config  # torch for the optimizer check: validate only
 
         check_config(config, _config_file(name), optimizers=optimizers)
     return config, raw
 
 
 def _config_file(name: str) -> str:
-    from grpo_train.config.loader import find_config
+    from grpo_train.config.loader import find_config  # here: `grpo --help` loads no config code
 
     return str(find_config(name, [CONFIG_DIR]))
 
@@ -123,7 +123,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     config, raw = _load(args.config, args.overrides)
     for key, value in _RUNTIME_ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
-    from grpo_train.run import evaluate
+    from grpo_train.run import evaluate  # heavy: torch, Ray, vLLM
 
     return evaluate(config, raw, checkpoint=args.checkpoint)
 
@@ -143,7 +143,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from grpo_train.plotting import plot_run
+    from grpo_train.plotting import plot_run  # here: `grpo --help` imports no plotting code
 
     print(plot_run(Path(args.run_dir)))
     return 0
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:  # bare `grpo` runs the offline demo
         args = _build_parser().parse_args(["train"])
     handlers = {"config": _cmd_config, "train": _cmd_train, "eval": _cmd_eval, "plan": _cmd_plan, "plot": _cmd_plot}
-    from grpo_train.config.errors import ConfigError
+    from grpo_train.config.errors import ConfigError  # here: `grpo --help` imports no grpo_train
 
     try:
         return handlers[args.command](args)

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import ray
 
+from grpo_data.records import DatumSpec
+from grpo_train.batch import Rollout
 from grpo_train.collector import SharedParts, make_collector_actor
 from grpo_train.colocation import MemoryChoreography
 from grpo_train.config.schema import GRPOMasterConfig
@@ -31,6 +33,7 @@ from grpo_train.engine_faults import EngineSupervisor, supervise
 from grpo_train.refit import push_weights
 from grpo_train.replay_buffer import GroupEntry, make_replay_buffer_actor
 from grpo_train.run_state import TrainerState, save_checkpoint
+from grpo_train.state_io import load_state
 from grpo_train.step import (
     PhaseTimer,
     RunClock,
@@ -115,11 +118,6 @@ def make_collector(cfg: GRPOMasterConfig, parts, checkpoints, state: TrainerStat
     driver's position (the `dataloader` state file of an async checkpoint holds the collector's); a sync
     checkpoint has no buffer, so generation restarts at the next step.
     """
-    from grpo_data.records import DatumSpec
-    from grpo_train.batch import Rollout
-    from grpo_train.replay_buffer import GroupEntry
-    from grpo_train.state_io import load_state
-
     buffer = make_replay_buffer_actor(cfg.grpo.async_grpo.max_trajectory_age_steps)
     next_target = state.step + 1
     folder = checkpoints.latest() if checkpoints is not None and state.step > 0 else None

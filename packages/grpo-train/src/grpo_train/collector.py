@@ -42,6 +42,8 @@ import ray
 
 from grpo_train.engine_faults import answers, is_engine_fault
 from grpo_train.replay_buffer import GroupEntry
+from grpo_train.rollout import rollout_batch
+from grpo_train.setup import build_train_iterator
 
 # Distinct seeds per step: the sync loop's seeds, so max_age 0 samples what the sync loop samples.
 from grpo_train.step import record_rewards, sampling_spec, step_seed
@@ -65,8 +67,6 @@ class TrajectoryCollector:
 
     def __init__(self, cfg, shared: SharedParts, generator, buffer, last_step: int, next_target: int,
                  version: int, dataloader_state: dict | None) -> None:
-        from grpo_train.setup import build_train_iterator
-
         self.cfg = cfg
         self.max_age = cfg.grpo.async_grpo.max_trajectory_age_steps
         self.train_data = build_train_iterator(cfg, shared.train_sets)
@@ -127,8 +127,6 @@ class TrajectoryCollector:
         self.batches += 1
 
     def rollout(self, datums: list, target: int, version: int, epoch: int = 0) -> list[GroupEntry]:
-        from grpo_train.rollout import rollout_batch
-
         ray.get(self.parts.generator.reseed.remote(step_seed(self.cfg, target)))
         result = rollout_batch(self.cfg, self.parts, datums, self.sampling)
         record_rewards(self.train_data, result.rollouts)

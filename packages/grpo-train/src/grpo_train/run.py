@@ -13,9 +13,11 @@ from pathlib import Path
 
 import yaml
 
+from grpo_train import resume_config
 from grpo_train.config.errors import ConfigError
 from grpo_train.config.schema import GRPOMasterConfig
 from grpo_train.errors import NoIntactCheckpoint, NonFiniteLossError, StartupError, StateFileError
+from grpo_train.state_io import verify_manifest
 
 EXIT_OK, EXIT_RUN_STOPPED, EXIT_STARTUP = 0, 1, 2
 
@@ -34,8 +36,6 @@ def choose_resume_point(checkpoints, resolved: dict) -> Path | None:
 
     Raises StartupError (one line) when checkpoints exist but none is intact, or when a key
     outside `resume_config.APPLIED_ON_RESUME` changed since the checkpoint was written."""
-    from grpo_train import resume_config
-
     if checkpoints is None:
         return None
     try:
@@ -186,8 +186,6 @@ def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None =
 def checkpoint_model_path(checkpoint: str) -> str:
     """The model folder `grpo eval --checkpoint` serves: policy/model, an HF model in the compute dtype (for a
     LoRA run, the base with the adapters merged in), after the checkpoint's manifest checks out."""
-    from grpo_train.state_io import verify_manifest
-
     model_path = Path(checkpoint) / "policy" / "model"
     if not model_path.is_dir():
         raise StartupError(f"--checkpoint: {checkpoint} has no policy/model folder")
@@ -200,6 +198,7 @@ def evaluate(cfg: GRPOMasterConfig, raw: dict, checkpoint: str | None = None) ->
     """Validation metrics of the config's model (or a checkpoint's policy) on its validation set."""
     import json
 
+    # Function-level, as in train: `import grpo_train.run` stays torch-free.
     from grpo_train.setup import actor_env_vars, build_components, init_ray, resolve_model_path
     from grpo_train.step import sampling_spec
     from grpo_train.validation import validate, validation_turns

@@ -17,8 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from grpo_train.assets import builtin_model_path
+from grpo_train.config.checks import env_import_paths
 from grpo_train.config.schema import ClusterConfig, DatasetConfig, GRPOMasterConfig
 from grpo_train.errors import StartupError  # re-exported: its old home
+from grpo_train.generation.actor import generator_factories
+from grpo_train.generation.async_vllm import make_async_generation_actor
 from grpo_train.plan import PlanError, make_plan
 
 BUILTIN_PREFIX = "builtin:"
@@ -311,7 +314,6 @@ class Components:
 def build_envs(cfg: GRPOMasterConfig) -> dict:
     """env name -> EnvPool of Ray actors (the async collector calls the same actors)."""
     from grpo_envs.pool import EnvPool
-    from grpo_train.config.checks import env_import_paths
 
     pools = {}
     for name, env_cfg in cfg.env.items():
@@ -367,8 +369,6 @@ def engine_factories(cfg: GRPOMasterConfig, model_path: str, policy) -> list:
     grpo_train.engine_faults) with the same placement and options."""
     from functools import partial
 
-    from grpo_train.generation.actor import generator_factories
-
     gen_cfg = cfg.policy.generation
     if gen_cfg.backend == "vllm":
         vllm = gen_cfg.vllm_cfg
@@ -380,8 +380,6 @@ def engine_factories(cfg: GRPOMasterConfig, model_path: str, policy) -> list:
         gen_kwargs = dict(dtype=cfg.policy.precision, max_model_len=cfg.policy.max_total_sequence_length,
                           seed=cfg.grpo.seed, temperature_for_logprobs=gen_cfg.temperature)
     if cfg.grpo.async_grpo.enabled:  # the async engine (the config allows only vLLM here)
-        from grpo_train.generation.async_vllm import make_async_generation_actor
-
         flags = cfg.grpo.async_grpo  # in-flight pushes that keep old KV cannot reset a prefix cache
         prefix_caching = not (flags.in_flight_weight_updates and not flags.recompute_kv_cache_after_weight_updates)
         # On GPUs the engine takes its tensor-parallel GPUs (from policy.generation.colocated.resources, which

@@ -224,7 +224,7 @@ def _dummy_optimizer(optimizer_cfg: OptimizerConfig, key: str):
     # Function-level: torch loads only for this check, so `grpo --help` and `config show` stay torch-free.
     import torch
 
-    from grpo_train.policy.optim import build_optimizer
+    from grpo_train.policy.optim import build_optimizer  # torch: only `config validate`, never `--help`/`show`
 
     param = torch.nn.Parameter(torch.zeros(1))
     optimizer = build_optimizer([param], optimizer_cfg, key=key)
@@ -237,7 +237,7 @@ def _check_optimizer(optimizer_cfg: OptimizerConfig, key: str):
     # Function-level: torch loads only for this check, so `grpo --help` and `config show` stay torch-free.
     import torch
 
-    from grpo_train.policy.optim import import_class
+    from grpo_train.policy.optim import import_class  # torch: only `config validate`, never `--help`/`show`
 
     try:
         import_class(optimizer_cfg.name, torch.optim.Optimizer, f"{key}.name")
@@ -256,7 +256,7 @@ def _check_scheduler(optimizer, entries: list[SchedulerEntry], key: str) -> None
     # Function-level: torch loads only for this check, so `grpo --help` and `config show` stay torch-free.
     import torch
 
-    from grpo_train.policy.optim import build_scheduler, import_class
+    from grpo_train.policy.optim import build_scheduler, import_class  # torch: only `config validate`
 
     for i, entry in enumerate(entries):
         if entry.name is None:

@@ -44,6 +44,7 @@ from grpo_train.generation.base import (
     logprob_temperature,
     validate_score_inputs,
 )
+from grpo_train.generation.vllm_backend import GIB, WORKER_EXTENSION, _checkpoint_weight_names, _to_result
 from grpo_train.placement import actor_class
 
 logger = logging.getLogger(__name__)
@@ -69,8 +70,6 @@ class AsyncVllmGenerator:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
-
-        from grpo_train.generation.vllm_backend import GIB, WORKER_EXTENSION, _checkpoint_weight_names
 
         if temperature_for_logprobs <= 0:
             raise ValueError(f"temperature_for_logprobs must be > 0, got {temperature_for_logprobs}")
@@ -113,8 +112,6 @@ class AsyncVllmGenerator:
         return self.start_seconds
 
     async def generate(self, prompts: list[list[int]], sampling: SamplingSpec) -> list[GenerationResult]:
-        from grpo_train.generation.vllm_backend import _to_result
-
         if not prompts:
             return []
         fitted, cut = fit_prompts(prompts, self.max_model_len, sampling.max_new_tokens)

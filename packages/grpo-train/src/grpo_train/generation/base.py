@@ -17,6 +17,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from grpo_train.model_families import UnsupportedFamilyError, unsupported_names_message
+
 if TYPE_CHECKING:
     import torch
 
@@ -161,8 +163,6 @@ def check_weight_names(given, expected: set[str] | None, config=None) -> None:
     given = set(given)
     missing, extra = sorted(expected - given), sorted(given - expected)
     if missing or extra:
-        from grpo_train.model_families import UnsupportedFamilyError, unsupported_names_message
-
         if isinstance(config, str):
             from transformers import AutoConfig
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from grpo_train.config.schema import DTensorConfig
+from grpo_train.policy.precision import fsdp_policy
 
 
 def uses_fsdp(cfg: DTensorConfig, on_gpu: bool, world_size: int) -> bool:
@@ -59,8 +60,6 @@ def shard(model: torch.nn.Module, mesh, cpu_offload: bool = False,
     other than fp32 shards with `precision.fsdp_policy` (fp32 shards, compute-dtype gathers,
     fp32 reduce-scatter)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
-
-    from grpo_train.policy.precision import fsdp_policy
 
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": True}
     if (mp := fsdp_policy(compute_dtype)) is not None:

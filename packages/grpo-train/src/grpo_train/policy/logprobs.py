@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import grpo_kernels
+from grpo_train.model_families import family_of
 from grpo_train.policy.tensor_parallel import tp_state
 
 IGNORE_INDEX = -100
@@ -46,8 +47,6 @@ def _target_logprobs(model: torch.nn.Module, hidden: torch.Tensor, targets: torc
     """grpo_kernels' (fused) lm_head logprob op on hidden [N, H] -> [N], with what the model's
     family does to logits after the head (`model_families`: a logit scale folds into the
     temperature; a soft-cap needs the logits, so it takes the unfused path)."""
-    from grpo_train.model_families import family_of
-
     family = family_of(model.config)
     scale, cap = family.logit_scale(), family.logit_softcap()
     head = model.get_output_embeddings()
@@ -76,8 +75,6 @@ def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention
                       fused: bool = True, chunk_size: int | None = None) -> torch.Tensor:
     """log p(x_t | x_<t) for t >= 1, 0 at t = 0 and on padding: [B, S] fp32."""
     B, S = input_ids.shape
-    from grpo_train.model_families import family_of
-
     if family_of(model.config).attention_softcap():  # transformers' SDPA drops it; ours applies it
         use_packed_attention(model)
     backbone = getattr(model, model.base_model_prefix)

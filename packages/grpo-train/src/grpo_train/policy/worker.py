@@ -21,8 +21,13 @@ from grpo_train.config.schema import LossConfig, PolicyConfig
 from grpo_train.errors import NonFiniteLossError  # re-exported: its old home
 from grpo_train.policy import fsdp, microbatch
 from grpo_train.policy.logprobs import packed_logprobs, sequence_logprobs
+from grpo_train.policy.lora import apply_lora
+from grpo_train.policy.moe_aux import RouterLogits
+from grpo_train.policy.offload import move_parts
 from grpo_train.policy.optim import apply_optimizer_config, build_optimizer, build_scheduler
 from grpo_train.policy.precision import DTYPES, MasterWeights, cast_parameters, compute_tensors
+from grpo_train.policy.tensor_parallel import apply_tensor_parallel
+from grpo_train.state_io import load_state, save_state
 
 # Metrics of clipped_pg_loss that are min/max rather than partial sums.
 _MIN_METRICS = ("ratio_min", "clipped_ratio_min")
@@ -55,8 +60,6 @@ def read_checkpoint(folder: Path) -> dict:
     (the fp32 masters of a mixed-precision run, else the HF safetensors), optimizer, scheduler
     and torch RNG state (state files, no pickle)."""
     from safetensors.torch import load_file
-
-    from grpo_train.state_io import load_state
 
     model: dict[str, torch.Tensor] = {}
     if (folder / MASTERS_FILE).is_file():
@@ -100,8 +103,6 @@ class PolicyWorker:
         # disable_adapter (the reference: the same base weights, no copy) and save_pretrained.
         self.peft = None
         if policy_cfg.dtensor_cfg.lora_cfg.enabled:
-            from grpo_train.policy.lora import apply_lora
-
             self.peft = apply_lora(self.model, policy_cfg.dtensor_cfg.lora_cfg, seed)
         elif loss_cfg.reference_policy_kl_penalty > 0:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -109,8 +110,6 @@ class PolicyWorker:
         self.master = MasterWeights(self.model, self.dtype)
         self._router = None  # records router logits for the MoE load-balancing loss (moe_aux.py)
         if policy_cfg.moe_aux_loss_coeff > 0:
-            from grpo_train.policy.moe_aux import RouterLogits
-
             self._router = RouterLogits(self.model)
         self.optimizer = build_optimizer(self.master.parameters(), policy_cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, policy_cfg.scheduler)
@@ -355,8 +354,6 @@ class PolicyWorker:
         Every rank calls it: under FSDP2 the ranks gather the full tensors together, so a
         sharded checkpoint has the unsharded format (and `grpo eval --checkpoint` reads it).
         Atomicity is the caller's folder (CheckpointManager writes into a temporary one)."""
-        from grpo_train.state_io import save_state
-
         keep = self.rank == 0
         if self.peft is not None:
             return self._save_lora(Path(folder), keep)
@@ -383,8 +380,6 @@ class PolicyWorker:
         resume reads), optimizer, scheduler and RNG state, and under model/ the merged HF model
         in the compute dtype (what `grpo eval --checkpoint` and a vLLM engine load: the export)."""
         from safetensors.torch import save_file
-
-        from grpo_train.state_io import save_state
 
         if self._sharded:
             masters = {k: v for k, v in fsdp.full_model_state(self.model).items() if k in set(self.master.names)}
@@ -458,8 +453,6 @@ class PolicyWorker:
         """Move `parts` (policy.offload.PARTS) of this rank's state to the host and hand the freed
         blocks back to the driver (`torch.cuda.empty_cache`), so a colocated engine can wake into
         them. A rank that computes on the host (every CPU run) has nothing to move."""
-        from grpo_train.policy.offload import move_parts
-
         todo = tuple(p for p in parts if p not in self._offloaded)
         if self._home.type != "cpu":
             move_parts(todo, "cpu", self.model, self.master.parameters(), self.optimizer, self.reference)
@@ -468,8 +461,6 @@ class PolicyWorker:
 
     def reload(self) -> None:
         """What `offload` moved, back on this rank's device."""
-        from grpo_train.policy.offload import move_parts
-
         if self._home.type != "cpu":
             move_parts(self._offloaded, self._home, self.model, self.master.parameters(), self.optimizer, self.reference,
                        offloading=False)
@@ -527,8 +518,6 @@ class PolicyWorker:
         (`tensor_parallel.apply_tensor_parallel`, in fp32: the masters are the TP shards). Returns
         the dp sub-mesh (FSDP2 shards over it; without FSDP2 the gradients are summed over its group)."""
         from torch.distributed.device_mesh import init_device_mesh
-
-        from grpo_train.policy.tensor_parallel import apply_tensor_parallel
 
         mesh = init_device_mesh(device_type, (self.dp_size, self.tp_size), mesh_dim_names=("dp", "tp"))
         self._dp_group = mesh["dp"].get_group()

@@ -19,7 +19,8 @@ from grpo_train.config.schema import GRPOMasterConfig
 from grpo_train.group_estimators import kl_in_reward
 from grpo_train.ppo.estimators import EstimatorInput, compute_ppo_advantages
 from grpo_train.ppo.gae import last_token_rewards
-from grpo_train.setup import Components
+from grpo_train.ppo.value_group import ValueGroup
+from grpo_train.setup import Components, build_components, ranks_per_node, resolve_model_path, threads_per_actor
 from grpo_train.train_step import prepare_batch
 
 EXPLAINED_VARIANCE_EPS = 1e-8
@@ -43,9 +44,6 @@ class PPOComponents(Components):
 def build_ppo_components(cfg: GRPOMasterConfig, model_path: str) -> PPOComponents:
     """GRPO's components plus the value group (backbone: value.model_name, else the policy's)."""
     from dataclasses import fields
-
-    from grpo_train.ppo.value_group import ValueGroup
-    from grpo_train.setup import build_components, ranks_per_node, resolve_model_path, threads_per_actor
 
     value_path = resolve_model_path(cfg.value.model_name, "value.model_name") if cfg.value.model_name else model_path
     global_batch = cfg.value.train_global_batch_size or cfg.policy.train_global_batch_size

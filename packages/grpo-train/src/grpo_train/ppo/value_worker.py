@@ -24,6 +24,7 @@ from grpo_train.policy.logprobs import packed_hidden_states
 from grpo_train.policy.optim import apply_optimizer_config, build_optimizer, build_scheduler
 from grpo_train.policy.precision import DTYPES, MasterWeights
 from grpo_train.ppo.value_loss import value_loss_fn
+from grpo_train.state_io import load_state, save_state
 
 MASTERS_FILE = "master_weights.safetensors"  # fp32 masters of a mixed-precision run
 HEAD_FILE = "value_head.safetensors"
@@ -158,8 +159,6 @@ class ValueWorker:
         when they differ), optimizer, scheduler, RNG. One rank saves."""
         from safetensors.torch import save_file
 
-        from grpo_train.state_io import save_state
-
         folder = Path(folder)
         self.model.backbone.save_pretrained(folder / "model", safe_serialization=True)
         save_file({k: v.contiguous() for k, v in self.model.head.state_dict().items()}, str(folder / "model" / HEAD_FILE))
@@ -172,8 +171,6 @@ class ValueWorker:
     def load(self, folder: str) -> None:
         """What `save` wrote; every rank loads the same files."""
         from safetensors.torch import load_file
-
-        from grpo_train.state_io import load_state
 
         folder = Path(folder)
         backbone = {}
