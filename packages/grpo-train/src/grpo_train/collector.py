@@ -127,7 +127,7 @@ class TrajectoryCollector:
         self.batches += 1
 
     def rollout(self, datums: list, target: int, version: int, epoch: int = 0) -> list[GroupEntry]:
-        ray.get(self.parts.generator.reseed.remote(step_seed(self.cfg, target)))
+        ray.get(self.parts.generator.reseed.remote(step_seed(self.cfg.grpo, target)))
         result = rollout_batch(self.cfg, self.parts, datums, self.sampling)
         record_rewards(self.train_data, result.rollouts)
         groups: list[list] = [[] for _ in datums]
