@@ -152,7 +152,7 @@ def finish_datum(
         raise DataError(f"on_overlong={on_overlong!r}; expected one of {OVERLONG_POLICIES}")
     length = sum(len(m["token_ids"]) for m in message_log)
     truncated = max_seq_length is not None and length > max_seq_length
-    if truncated:
+    if max_seq_length is not None and truncated:
         if on_overlong == "error":
             raise DataError(
                 f"item {idx} ({task_name}): the prompt has {length} tokens, more than "

@@ -52,7 +52,7 @@ BUFFER_FILE, COLLECTOR_FILE = "replay_buffer", "collector"  # checkpoint state f
 
 
 def train_async(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: TrainerState) -> TrainerState:
-    last = total_steps(cfg, parts.train_data)
+    last = total_steps(cfg.grpo, parts.train_data)
     pad = pad_id(parts.tokenizer)
     in_flight = cfg.grpo.async_grpo.in_flight_weight_updates
     buffer, collector = make_collector(cfg, parts, checkpoints, state, last)  # starts up meanwhile
@@ -63,7 +63,7 @@ def train_async(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Traine
         validate_at_start(cfg, parts, logger, state, engines, memory)
         ray.get(collector.start.remote())
         before = ray.get(collector.stats.remote())
-        clock = RunClock(cfg)
+        clock = RunClock(cfg.checkpointing)
         while state.step < last:
             step = state.step + 1
             timer = PhaseTimer()

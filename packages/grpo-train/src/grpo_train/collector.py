@@ -127,7 +127,7 @@ class TrajectoryCollector:
         self.batches += 1
 
     def rollout(self, datums: list, target: int, version: int, epoch: int = 0) -> list[GroupEntry]:
-        ray.get(self.parts.generator.reseed.remote(step_seed(self.cfg, target)))
+        ray.get(self.parts.generator.reseed.remote(step_seed(self.cfg.grpo, target)))
         result = rollout_batch(self.cfg, self.parts, datums, self.sampling)
         record_rewards(self.train_data, result.rollouts)
         groups: list[list] = [[] for _ in datums]
@@ -197,8 +197,9 @@ class TrajectoryCollector:
 
     async def error(self) -> str | None:
         """The production loop's exception, if it died (the loop checks while it waits)."""
-        if self._stopped() and not self._task.cancelled() and self._task.exception() is not None:
-            exc = self._task.exception()
+        task = self._task
+        if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
             return f"{type(exc).__name__}: {exc}"
         return None
 

@@ -142,7 +142,7 @@ def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None =
 
             push_weights(parts.policy, parts.generator, state.weight_version)
             say(f"resumed from {resume_from} (step {state.step}; every file matched its manifest)")
-        last = total_steps(cfg, parts.train_data)
+        last = total_steps(cfg.grpo, parts.train_data)
         if state.step >= last:
             say(f"this run already finished {state.step} steps; pass --run-dir to start a new run")
             return EXIT_OK

@@ -21,7 +21,7 @@ from pathlib import Path
 import ray
 
 from grpo_train.colocation import MemoryChoreography
-from grpo_train.config.schema import GRPOMasterConfig
+from grpo_train.config.schema import CheckpointingConfig, GRPOConfig, GRPOMasterConfig
 from grpo_train.deadline import SaveDeadline
 from grpo_train.engine_faults import EngineSupervisor, checked_refit, supervise
 from grpo_train.generation.base import SamplingSpec
@@ -36,9 +36,9 @@ from grpo_train.validation import validate, validation_turns
 _STEP_SEED_STRIDE = 1_000_003
 
 
-def step_seed(cfg: GRPOMasterConfig, step: int) -> int:
+def step_seed(grpo: GRPOConfig, step: int) -> int:
     """The generator's seed for `step`: a resumed run samples exactly what the uninterrupted one sampled."""
-    return cfg.grpo.seed * _STEP_SEED_STRIDE + step
+    return grpo.seed * _STEP_SEED_STRIDE + step
 
 
 def sampling_spec(cfg: GRPOMasterConfig) -> SamplingSpec:
@@ -50,12 +50,12 @@ def sampling_spec(cfg: GRPOMasterConfig) -> SamplingSpec:
     )
 
 
-def total_steps(cfg: GRPOMasterConfig, train_data) -> int:
+def total_steps(grpo: GRPOConfig, train_data) -> int:
     """grpo.max_num_steps, or fewer when the epochs run out (a mixed multi-dataset loader is endless)."""
     per_epoch = getattr(train_data, "batches_per_epoch", None)
     if per_epoch is None:
-        return cfg.grpo.max_num_steps
-    return min(cfg.grpo.max_num_steps, cfg.grpo.max_num_epochs * per_epoch)
+        return grpo.max_num_steps
+    return min(grpo.max_num_steps, grpo.max_num_epochs * per_epoch)
 
 
 def pad_id(tokenizer) -> int:
@@ -117,8 +117,8 @@ class RunClock:
     measured when the clock is made (after the step-0 validation) and logged with the first step
     this process runs (a resumed run's too)."""
 
-    def __init__(self, cfg: GRPOMasterConfig) -> None:
-        self.deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by)
+    def __init__(self, checkpointing: CheckpointingConfig) -> None:
+        self.deadline = SaveDeadline(checkpointing.checkpoint_must_save_by)
         self._startup_s: float | None = process_age_s()  # process start -> first step
 
     def startup_metrics(self) -> dict[str, float]:
@@ -173,7 +173,7 @@ def generate_step(cfg: GRPOMasterConfig, parts, sampling: SamplingSpec, state: T
     position, consumed = parts.train_data.state_dict(), state.consumed_prompts
 
     def attempt():
-        ray.get(parts.generator.reseed.remote(step_seed(cfg, step)))
+        ray.get(parts.generator.reseed.remote(step_seed(cfg.grpo, step)))
         return collect_rollouts(cfg, parts, sampling, state)
 
     def rewind() -> None:
@@ -283,12 +283,12 @@ class SyncRun:
     def __init__(self, cfg: GRPOMasterConfig, parts, logger, checkpoints, state: TrainerState) -> None:
         self.cfg, self.parts, self.logger, self.checkpoints, self.state = cfg, parts, logger, checkpoints, state
         self.sampling = sampling_spec(cfg)
-        self.last = total_steps(cfg, parts.train_data)
+        self.last = total_steps(cfg.grpo, parts.train_data)
         self.pad = pad_id(parts.tokenizer)
         self.engines = supervise(cfg, parts, state)
         self.memory = MemoryChoreography.of(parts)
         validate_at_start(cfg, parts, logger, state, self.engines, self.memory)
-        self.clock = RunClock(cfg)
+        self.clock = RunClock(cfg.checkpointing)
         self.timer = PhaseTimer()
 
     def next_step(self) -> int | None:

@@ -10,7 +10,7 @@ import torch
 
 from grpo_train.advantages import groups_with_signal, scale_rewards, shape_rewards
 from grpo_train.batch import Rollout, build_train_batch, seq_mult_prob_error
-from grpo_train.config.schema import GRPOMasterConfig
+from grpo_train.config.schema import GRPOConfig, GRPOMasterConfig
 from grpo_train.group_estimators import GroupBatch, estimate_advantages, kl_in_reward
 from grpo_train.refit import check as refit_check
 
@@ -80,12 +80,12 @@ def add_advantages(cfg: GRPOMasterConfig, rollouts: list[Rollout], batch: dict[s
     metrics = {"advantage_abs_mean": float((batch["advantages"].abs() * mask).sum() / mask.sum().clamp(min=1))}
     if kl is not None:
         metrics["reward_kl_penalty"] = float(kl.sum() / mask.sum().clamp(min=1))
-    metrics |= mask_by_logprob_error(cfg, batch)
+    metrics |= mask_by_logprob_error(cfg.grpo, batch)
     metrics["masked_samples"] = float((batch["sample_mask"] == 0).sum())
     return metrics
 
 
-def mask_by_logprob_error(cfg: GRPOMasterConfig, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+def mask_by_logprob_error(grpo: GRPOConfig, batch: dict[str, torch.Tensor]) -> dict[str, float]:
     """grpo.seq_logprob_error_threshold: sample_mask 0 for sequences whose seq_mult_prob_error
     exceeds it (NeMo RL's definition); the max error is logged either way (by the policy's train
     call when prev comes from the training forward: `reuses_prev_logprobs`, threshold null)."""
@@ -93,7 +93,7 @@ def mask_by_logprob_error(cfg: GRPOMasterConfig, batch: dict[str, torch.Tensor])
         return {}
     err = seq_mult_prob_error(batch)
     metrics = {"max_seq_mult_prob_error": float(err.max()) if err.numel() else 1.0}
-    threshold = cfg.grpo.seq_logprob_error_threshold
+    threshold = grpo.seq_logprob_error_threshold
     if threshold is None:
         return metrics
     was = batch["sample_mask"] > 0

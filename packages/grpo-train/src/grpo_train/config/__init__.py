@@ -6,6 +6,7 @@ Imports no torch, so the CLI can validate a config without starting the heavy st
 from __future__ import annotations
 
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +69,7 @@ def schema_has(parts: list[str], model: type[BaseModel] = GRPOMasterConfig) -> b
     return any(schema_has(rest, section) for section in sections)
 
 
-def load_config(name: str | Path, overrides: list[str] = (), search_dirs: list[Path] = ()) -> tuple[GRPOMasterConfig, dict[str, Any]]:
+def load_config(name: str | Path, overrides: Sequence[str] = (), search_dirs: Sequence[Path] = ()) -> tuple[GRPOMasterConfig, dict[str, Any]]:
     """Load, merge, override, interpolate and validate. Returns the model and the resolved dict."""
     path, raw = load_config_dict(name, list(overrides), list(search_dirs), schema_has)
     return validate_config_dict(raw, str(path)), raw

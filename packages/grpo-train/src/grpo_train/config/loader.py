@@ -20,11 +20,12 @@ from __future__ import annotations
 import copy
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
+from yaml.composer import ComposerError
 
 from grpo_train.config.errors import ConfigError
 
@@ -58,7 +59,7 @@ class _Loader(yaml.SafeLoader):
             self._count(self._sizes.get(id(node), 1), mark)
             return node
         if len(self._open) >= MAX_CONFIG_DEPTH:
-            raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_CONFIG_DEPTH} levels", mark)
+            raise ComposerError(None, None, f"nested deeper than {MAX_CONFIG_DEPTH} levels", mark)
         self._open.append(self._expanded)
         try:
             node = super().compose_node(parent, index)
@@ -72,7 +73,7 @@ class _Loader(yaml.SafeLoader):
         self._expanded += values
         if self._expanded > MAX_CONFIG_VALUES:
             how = f" ({self._aliases} aliases expanded)" if self._aliases else ""
-            raise yaml.composer.ComposerError(None, None, f"expands to more than {MAX_CONFIG_VALUES} values{how}", mark)
+            raise ComposerError(None, None, f"expands to more than {MAX_CONFIG_VALUES} values{how}", mark)
 
 
 _Loader.add_implicit_resolver(
@@ -324,7 +325,7 @@ def resolve_interpolations(config: dict[str, Any]) -> dict[str, Any]:
     return visit(config, "", 0)
 
 
-def load_config_dict(name: str | Path, overrides: list[str] = (), search_dirs: list[Path] = (),
+def load_config_dict(name: str | Path, overrides: Sequence[str] = (), search_dirs: Sequence[Path] = (),
                      schema_has: Callable[[list[str]], bool] | None = None) -> tuple[Path, dict[str, Any]]:
     """The resolved plain-dict config and the file it came from."""
     path = find_config(name, list(search_dirs))

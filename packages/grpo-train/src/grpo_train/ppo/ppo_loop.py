@@ -36,7 +36,7 @@ def train_ppo(cfg: GRPOMasterConfig, parts: PPOComponents, logger, checkpoints, 
     while (step := run.next_step()) is not None:
         result, sampling_metrics = run.generate(step)
         batch, metrics = run.batch(result.rollouts, prepare_ppo_batch)
-        metrics |= mask_by_logprob_error(cfg, batch)
+        metrics |= mask_by_logprob_error(cfg.grpo, batch)
         with run.timer("values"):
             metrics |= add_values_and_advantages(cfg, parts.value, batch)
         train_policy = step >= cfg.ppo.policy_training_start_step
