@@ -330,7 +330,13 @@ class PolicyWorker:
     # ------------------------------------------------------------------- weights and state
     def weights(self) -> dict[str, torch.Tensor]:
         """HF-named contiguous CPU tensors for the generator (tied weights appear once), in the
-        compute dtype."""
+        compute dtype. Under `lora_cfg.refit: adapter` only the adapter tensors, in peft's saved names
+        (`weight_sync.iter_adapter_tensors`): the engine keeps the checkpoint's base weights."""
+        if self.peft is not None and self.cfg.dtensor_cfg.lora_cfg.refit == "adapter":
+            from grpo_train.weight_sync import iter_adapter_tensors
+
+            return {name: t.to("cpu").contiguous()
+                    for name, t in compute_tensors(iter_adapter_tensors(self.model), self.dtype)}
         return {name: t.to("cpu").contiguous() for name, t in self._refit_tensors()}
 
     def _refit_tensors(self, gather: bool = True):
