@@ -19,6 +19,10 @@ Other measured pitfalls handled here: the engine is seeded, requests are not (a 
 seed crashes chunked prefill on CPU); the prefix cache is reset after every refit (stale KV
 otherwise); tensors reach the worker directly because the engine core runs in-process
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), or as safetensors bytes when it cannot (tensor parallel).
+
+LoRA `refit: adapter` (`lora_adapter={"dim", "alpha"}`): the engine starts with LoRA enabled on the
+checkpoint's base weights, `update_weights` receives adapter tensors only and registers them as a new
+LoRA adapter (`generation/lora_adapter.py`), and every later generate/score request names it.
 """
 
 from __future__ import annotations
