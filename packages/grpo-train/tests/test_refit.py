@@ -269,19 +269,21 @@ def test_lora_adapter_refit_passes_the_gate(model_dir):
         trainer = worker.score([sampled.prompt_ids + sampled.response_ids], [len(sampled.prompt_ids)])
         gate_refit(trainer, [sampled.response_logprobs], DEFAULT_LIMITS["float32"])
 
-        first = engine._adapters.current
+        folders = engine._adapters
+        assert folders is not None and folders.current is not None
+        first = folders.current
         train_lora_step(worker, torch.Generator().manual_seed(8))
         expected2 = worker.score(seqs, plens)
         assert diff(expected, expected2) > 1e-3  # the step moved the adapters
         engine.update_weights(worker.weights(), 2)
         assert engine.lora_request_id() == 3 and not first.exists()
-        assert [p.name for p in engine._adapters.root.iterdir()] == ["v2"]
+        assert [p.name for p in folders.root.iterdir()] == ["v2"]
         gate_refit(expected2, engine.score(seqs, plens), DEFAULT_LIMITS["float32"])
         with pytest.raises(ValueError, match="not a peft adapter tensor"):
             engine.update_weights(state_dict_for_refit(worker.model), 3)
     finally:
         engine.shutdown()
-    assert not engine._adapters.root.exists()
+    assert engine._adapters is not None and not engine._adapters.root.exists()
 
 
 def test_generation_actors_through_ray(ray_session, model_dir, base_model):

@@ -381,7 +381,7 @@ def engine_factories(cfg: GRPOMasterConfig, model_path: str, policy) -> list:
                           temperature_for_logprobs=gen_cfg.temperature)
         lora = cfg.policy.dtensor_cfg.lora_cfg
         if lora.enabled and lora.refit == "adapter":  # LoRA-enabled engine; refits bring adapters only
-            gen_kwargs["lora_adapter"] = {"dim": lora.dim, "alpha": lora.alpha}
+            gen_kwargs = {**gen_kwargs, "lora_adapter": {"dim": lora.dim, "alpha": lora.alpha}}
     else:
         gen_kwargs = dict(dtype=cfg.policy.precision, max_model_len=cfg.policy.max_total_sequence_length,
                           seed=cfg.grpo.seed, temperature_for_logprobs=gen_cfg.temperature)

@@ -196,12 +196,13 @@ class VllmGenerator:
 
         from grpo_train.generation.lora_adapter import lora_int_id
 
-        assert self._adapters is not None
+        assert self._adapters is not None and self.llm is not None
+        engine = self.llm.llm_engine
         folder = self._adapters.write(named_tensors, version)
         request = LoRARequest(f"grpo-policy-v{int(version)}", lora_int_id(version), str(folder))
         if self._lora_request is not None:
-            self.llm.llm_engine.remove_lora(self._lora_request.lora_int_id)
-        if not self.llm.llm_engine.add_lora(request):
+            engine.remove_lora(self._lora_request.lora_int_id)
+        if not engine.add_lora(request):
             raise RuntimeError(f"vLLM did not load the pushed adapter of weight version {version} ({folder})")
         self._lora_request = request
         self._after_refit(version)
