@@ -5,11 +5,11 @@ Each variant runs in its own process (peak RSS is per process, `ru_maxrss`):
 - `full`: every parameter trains; the refit pushes every weight (`state_dict_for_refit`).
 - `merged`: LoRA (`apply_lora`, dim 8, alpha 32, all linear layers); the refit pushes the base-named weights
   with the adapters merged in (`state_dict_for_refit` -> `refit.tensors.merged_lora_weight`).
-- `adapter`: the same LoRA model; the push is only the adapter tensors (peft's state dict), handed to a vLLM
-  engine built with `enable_lora=True` as a PEFT folder in /dev/shm under a new adapter id (`add_lora`).
-  grpo does not offer this mode yet (`refit: adapter` is refused); this measures what it would cost.
+- `adapter`: the same LoRA model under grpo's `lora_cfg.refit: adapter`: the push is only the adapter tensors
+  (`refit.tensors.iter_adapter_tensors`, what `PolicyWorker.weights` returns in that mode) into a
+  `VllmGenerator(lora_adapter=...)` (LoRA-enabled engine; writes a PEFT folder, registers a new LoRA id).
 Refit time = the trainer side (building the tensors) + the engine's load (`--engine`, real vLLM CPU build):
-`VllmGenerator.update_weights` for full/merged, `LLMEngine.add_lora` for adapter; the median of `--pushes`.
+`VllmGenerator.update_weights` in every mode; the median of `--pushes`.
 The engine is checked after the last push: its prompt logprobs must match the trainer's (fp32).
 Usage (writes a section of benchmarks/results/lora_cpu.md):
     uv run --no-sync python benchmarks/e2e/bench_lora_refit.py [--engine] [--pushes 3]
@@ -74,10 +74,10 @@ def train_steps(model, steps: int = 2) -> None:
         opt.zero_grad(set_to_none=True)
 
 
-def adapter_tensors(peft_model) -> dict:
-    from peft import get_peft_model_state_dict
+def adapter_tensors(model) -> dict:
+    from grpo_train.refit.tensors import iter_adapter_tensors
 
-    return {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
+    return {k: v.to("cpu").contiguous() for k, v in iter_adapter_tensors(model)}
 
 
 def save_engine_model(model, peft_model, folder: Path) -> None:
@@ -130,7 +130,7 @@ def child(mode: str, engine: bool, pushes: int) -> dict:
     out["rss_start_mib"] = before
 
     def push_tensors() -> dict:
-        return adapter_tensors(peft_model) if mode == "adapter" else state_dict_for_refit(model)
+        return adapter_tensors(model) if mode == "adapter" else state_dict_for_refit(model)
 
     prep = []
     for _ in range(pushes):
@@ -155,28 +155,15 @@ def child(mode: str, engine: bool, pushes: int) -> dict:
 
     loads = []
     if mode == "adapter":
-        from vllm.lora.request import LoRARequest
+        from grpo_train.generation.vllm_backend import VllmGenerator
 
-        llm = vllm.LLM(model=str(folder), dtype="float32", max_model_len=256, enforce_eager=True, seed=0,
-                       enable_lora=True, max_lora_rank=8, max_loras=1, max_cpu_loras=1,
-                       kv_cache_memory_bytes=1 << 30, logprobs_mode="raw_logprobs", generation_config="vllm")
-        shm = Path(tempfile.mkdtemp(prefix="grpo-adapter-", dir="/dev/shm"))
-        from safetensors.torch import save_file
-
-        request = None
+        gen = VllmGenerator(str(folder), max_model_len=256, lora_adapter={"dim": 8, "alpha": 32})
         for version in range(1, pushes + 1):
             t = time.perf_counter()
-            tensors = adapter_tensors(peft_model)
-            target = shm / f"v{version}"
-            peft_model.peft_config["default"].save_pretrained(str(target))
-            save_file(tensors, str(target / "adapter_model.safetensors"))
-            request = LoRARequest(f"policy-v{version}", version, str(target))
-            llm.llm_engine.add_lora(request)
+            gen.update_weights(adapter_tensors(model), version)
             loads.append(time.perf_counter() - t)
-        out["engine_max_abs_dlogprob"] = engine_logprobs_check(
-            lambda p: lp(llm.generate([TokensPrompt(prompt_token_ids=p)], sp, lora_request=request, use_tqdm=False)),
-            model)
-        shutil.rmtree(shm, ignore_errors=True)
+        out["engine_max_abs_dlogprob"] = engine_logprobs_check(lambda p: gen.score([p], [1])[0], model)
+        gen.shutdown()
     else:
         from grpo_train.generation.vllm_backend import VllmGenerator
 
@@ -213,7 +200,7 @@ def report(rows: list[dict], engine: bool, loads: tuple[str, str]) -> str:
              "| variant | trainable parameters | peak RSS, model built | peak RSS, after 2 steps | training delta "
              "| gradients + AdamW state (4 B x 3 per trainable) | refit bytes | prepare | refit (with engine load) | engine vs trainer max abs dlogprob |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    names = {"full": "full fine-tuning", "merged": "LoRA, merged refit", "adapter": "LoRA, adapter push (not a grpo mode yet)"}
+    names = {"full": "full fine-tuning", "merged": "LoRA, merged refit", "adapter": "LoRA, `refit: adapter`"}
     for r in rows:
         refit = f"{r['refit_s']:.3f} s" if "refit_s" in r else "-"
         check = f"{r['engine_max_abs_dlogprob']:.1e}" if "engine_max_abs_dlogprob" in r else "-"

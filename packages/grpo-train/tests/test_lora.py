@@ -218,3 +218,49 @@ def test_moe_models_are_refused():
         model = Qwen3MoeForCausalLM(config)
     with pytest.raises(LoRAConfigError, match=r"^policy.dtensor_cfg.lora_cfg.enabled: LoRA on mixture-of-experts"):
         check_lora(model, LoRAConfig(enabled=True))
+
+
+def test_adapter_refit_is_accepted_and_its_unsupported_combinations_are_refused_at_their_key():
+    """refit: adapter validates (it was refused before it was built) and reaches the engine and the
+    transport: the vLLM engine gets lora_adapter {dim, alpha}, `auto` resolves to the object store.
+    Refused, each at its key: the hf backend (loads full weights only), the collective / ipc transports
+    (adapters go through the object store), async GRPO (in-flight adapter ids not built), dim > 512
+    (vLLM's largest max_lora_rank)."""
+    from grpo_train.config import validate_config_dict
+    from grpo_train.config.errors import ConfigError
+    from grpo_train.setup import attach_generators, engine_factories
+
+    adapter = {"policy": {"dtensor_cfg": {"lora_cfg": {"enabled": True, "dim": 8, "alpha": 32, "refit": "adapter"}}}}
+    cfg = validate_config_dict(adapter)
+
+    class Policy:
+        placement_group = None
+
+        def attach(self, transport, generators):
+            self.transport = transport
+
+    policy = Policy()
+    factories = engine_factories(cfg, "/model", policy)
+    assert [f.keywords["lora_adapter"] for f in factories] == [{"dim": 8, "alpha": 32}]
+    attach_generators(cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"gpus_per_node": 1})}),
+                      policy, generator=object())  # auto on separate GPUs would be collective
+    assert type(policy.transport).__name__ == "ObjectStoreTransport"
+    merged = validate_config_dict({"policy": {"dtensor_cfg": {"lora_cfg": {"enabled": True}}}})
+    assert "lora_adapter" not in engine_factories(merged, "/model", policy)[0].keywords
+
+    def refused(extra: dict) -> str:
+        config = {**adapter, **{k: v for k, v in extra.items() if k != "policy"}}
+        config["policy"] = {**adapter["policy"], **extra.get("policy", {})}
+        with pytest.raises(ConfigError) as err:
+            validate_config_dict(config)
+        return str(err.value)
+
+    assert "policy.dtensor_cfg.lora_cfg.refit: adapter needs policy.generation.backend: vllm" in refused(
+        {"policy": {"generation": {"backend": "hf"}}})
+    for transport in ("collective", "ipc"):
+        assert f"policy.generation.weight_transport: '{transport}' with lora_cfg.refit: adapter" in refused(
+            {"policy": {"generation": {"weight_transport": transport}}})
+    assert "grpo.async_grpo with policy.dtensor_cfg.lora_cfg.refit: adapter is not supported" in refused(
+        {"grpo": {"async_grpo": {"enabled": True}}, "loss_fn": {"use_importance_sampling_correction": True}})
+    big = {"dtensor_cfg": {"lora_cfg": {**adapter["policy"]["dtensor_cfg"]["lora_cfg"], "dim": 513}}}
+    assert "policy.dtensor_cfg.lora_cfg.dim: 513 with refit: adapter exceeds" in refused({"policy": big})

@@ -136,7 +136,7 @@ TABLE = {
     "policy.dtensor_cfg.lora_cfg.dropout": T("packages/grpo-train/tests/test_lora.py::test_dropout_reaches_the_adapter_input"),
     "policy.dtensor_cfg.lora_cfg.dropout_position": Refused("post"),
     "policy.dtensor_cfg.lora_cfg.lora_A_init": T("packages/grpo-train/tests/test_lora.py::test_lora_a_init_is_rank_independent_and_follows_lora_A_init"),
-    "policy.dtensor_cfg.lora_cfg.refit": Refused("adapter"),
+    "policy.dtensor_cfg.lora_cfg.refit": T("packages/grpo-train/tests/test_refit.py::test_lora_adapter_refit_passes_the_gate"),
     "policy.dynamic_batching.enabled": R("grpo_train/policy/microbatch.py"),
     "policy.dynamic_batching.train_mb_tokens": R("grpo_train/policy/microbatch.py"),
     "policy.dynamic_batching.logprob_mb_tokens": R("grpo_train/policy/microbatch.py"),

@@ -344,6 +344,9 @@ def attach_generators(cfg: GRPOMasterConfig, policy, generator) -> None:
 
     gen_cfg = cfg.policy.generation
     name = choose_transport(gen_cfg.weight_transport, gen_cfg.colocated.enabled, cfg.cluster.gpus_per_node > 0)
+    lora = cfg.policy.dtensor_cfg.lora_cfg
+    if lora.enabled and lora.refit == "adapter":  # adapters are small: the object store (the config refuses others)
+        name = "object_store"
     try:
         policy.attach(make_transport(name, gen_cfg.refit_buffer_size_gb), engines_of(generator))
     except (ValueError, NotImplementedError) as exc:
@@ -376,6 +379,9 @@ def engine_factories(cfg: GRPOMasterConfig, model_path: str, policy) -> list:
                           gpu_memory_utilization=vllm.gpu_memory_utilization, tensor_parallel_size=vllm.tensor_parallel_size,
                           enforce_eager=vllm.enforce_eager, kv_cache_space_gb=vllm.kv_cache_space_gb,
                           temperature_for_logprobs=gen_cfg.temperature)
+        lora = cfg.policy.dtensor_cfg.lora_cfg
+        if lora.enabled and lora.refit == "adapter":  # LoRA-enabled engine; refits bring adapters only
+            gen_kwargs = {**gen_kwargs, "lora_adapter": {"dim": lora.dim, "alpha": lora.alpha}}
     else:
         gen_kwargs = dict(dtype=cfg.policy.precision, max_model_len=cfg.policy.max_total_sequence_length,
                           seed=cfg.grpo.seed, temperature_for_logprobs=gen_cfg.temperature)

@@ -19,6 +19,10 @@ Other measured pitfalls handled here: the engine is seeded, requests are not (a 
 seed crashes chunked prefill on CPU); the prefix cache is reset after every refit (stale KV
 otherwise); tensors reach the worker directly because the engine core runs in-process
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), or as safetensors bytes when it cannot (tensor parallel).
+
+LoRA `refit: adapter` (`lora_adapter={"dim", "alpha"}`): the engine starts with LoRA enabled on the
+checkpoint's base weights, `update_weights` receives adapter tensors only and registers them as a new
+LoRA adapter (`generation/lora_adapter.py`), and every later generate/score request names it.
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ class VllmGenerator:
         kv_cache_space_gb: float = 1.0,
         temperature_for_logprobs: float = 1.0,
         enable_sleep_mode: bool = False,
+        lora_adapter: dict | None = None,
     ) -> None:
         if temperature_for_logprobs <= 0:
             raise ValueError(f"temperature_for_logprobs must be > 0, got {temperature_for_logprobs}")
@@ -103,6 +108,15 @@ class VllmGenerator:
         )
         if enable_sleep_mode:  # colocated on GPUs: free the weights and KV cache while training
             engine_kwargs["enable_sleep_mode"] = True
+        # refit: adapter (lora_adapter = {"dim", "alpha"}): the base stays as loaded, each refit brings
+        # adapters that every later request runs with (generation/lora_adapter.py).
+        self._adapters, self._lora_request = None, None
+        if lora_adapter is not None:
+            from grpo_train.generation.lora_adapter import AdapterFolders, vllm_max_lora_rank
+
+            engine_kwargs.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(int(lora_adapter["dim"])),
+                                 max_loras=1, max_cpu_loras=1)
+            self._adapters = AdapterFolders(float(lora_adapter["alpha"]), model_path)
         saved_env = None
         if current_platform.is_cpu():
             # Without an explicit size vLLM's CPU backend reserves most of the RAM. The
@@ -148,7 +162,8 @@ class VllmGenerator:
             logprobs=0,  # the sampled token's logprob only
         )
         outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in fitted], params, use_tqdm=False
+            [TokensPrompt(prompt_token_ids=p) for p in fitted], params, use_tqdm=False,
+            lora_request=self._lora_request,
         )
         results = []
         for prompt_index, (prompt, out) in enumerate(zip(fitted, outputs)):
@@ -158,6 +173,9 @@ class VllmGenerator:
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> float:
         start = time.perf_counter()
+        if self._adapters is not None:
+            self._load_adapter(named_tensors, version)
+            return time.perf_counter() - start
         # vLLM only warns about tensors a reload did not get and keeps serving with them.
         check_weight_names(named_tensors, self._weight_names, self.model_path)
         payload = named_tensors
@@ -170,6 +188,28 @@ class VllmGenerator:
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
         self._version = int(version)
         return time.perf_counter() - start
+
+    def _load_adapter(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+        """refit: adapter: write the adapters as a PEFT folder, register them under a new LoRA id (loaded
+        now, so a bad adapter fails the refit, not the next generate) and drop the previous id."""
+        from vllm.lora.request import LoRARequest
+
+        from grpo_train.generation.lora_adapter import lora_int_id
+
+        assert self._adapters is not None and self.llm is not None
+        engine = self.llm.llm_engine
+        folder = self._adapters.write(named_tensors, version)
+        request = LoRARequest(f"grpo-policy-v{int(version)}", lora_int_id(version), str(folder))
+        if self._lora_request is not None:
+            engine.remove_lora(self._lora_request.lora_int_id)
+        if not engine.add_lora(request):
+            raise RuntimeError(f"vLLM did not load the pushed adapter of weight version {version} ({folder})")
+        self._lora_request = request
+        self._after_refit(version)
+
+    def lora_request_id(self) -> int | None:
+        """The LoRA id every request runs with (refit: adapter), None before the first adapter push."""
+        return None if self._lora_request is None else int(self._lora_request.lora_int_id)
 
     # -- weight transports (grpo_train.refit) and colocation ---------------------------------
 
@@ -219,7 +259,8 @@ class VllmGenerator:
         self._set_logprob_temperature(self.temperature_for_logprobs)
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
         outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params, use_tqdm=False
+            [TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params, use_tqdm=False,
+            lora_request=self._lora_request,
         )
         scores = []
         for seq, plen, out in zip(sequences, prompt_lens, outputs):
@@ -245,6 +286,8 @@ class VllmGenerator:
         if engine_core is not None:
             engine_core.shutdown()
         self.llm = None
+        if self._adapters is not None:
+            self._adapters.close()
         import gc
 
         gc.collect()

@@ -329,9 +329,14 @@ class PolicyWorker:
     # ------------------------------------------------------------------- weights and state
     def weights(self) -> dict[str, torch.Tensor]:
         """HF-named contiguous CPU tensors for the generator (tied weights appear once), in the
-        compute dtype."""
+        compute dtype. Under `lora_cfg.refit: adapter` only the adapter tensors, in peft's saved names
+        (`refit.tensors.iter_adapter_tensors`): the engine keeps the checkpoint's base weights."""
         from grpo_train.refit.object_store import send_object_store
 
+        if self.peft is not None and self.cfg.dtensor_cfg.lora_cfg.refit == "adapter":
+            from grpo_train.refit.tensors import iter_adapter_tensors
+
+            return send_object_store(compute_tensors(iter_adapter_tensors(self.model), self.dtype))
         return send_object_store(self._refit_tensors())
 
     def _refit_tensors(self, gather: bool = True):

@@ -83,6 +83,21 @@ def merged_lora_weight(weight, layer):
     return merged.to(weight.dtype)
 
 
+def iter_adapter_tensors(model: torch.nn.Module, adapter: str = "default") -> Iterator[tuple[str, torch.Tensor]]:
+    """`lora_cfg.refit: adapter`: (peft's saved name, full detached tensor) of each LoRA A/B weight of `adapter`,
+    in state-dict order: `X.lora_A.<adapter>.weight` becomes `base_model.model.X.lora_A.weight`, the names of
+    `PeftModel.save_pretrained` (what vLLM loads from a PEFT folder). `model` is the model peft injected the
+    adapters into (the PolicyWorker's `self.model`). Only adapters travel: the engine keeps the checkpoint's
+    base weights. DTensor (FSDP2) shards are gathered: every rank of the model must iterate together."""
+    marker = f".{adapter}."
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if _LORA_TENSOR not in name or marker not in name or not name.endswith(".weight"):
+            continue
+        owner, kind = name.split(_LORA_TENSOR, 1)  # "lora_A.default.weight" / "lora_B.default.weight"
+        kind = kind.replace(marker, ".", 1)
+        yield f"base_model.model.{owner}.lora_{kind}", _full(tensor.detach())
+
+
 def state_dict_for_refit(
     model: torch.nn.Module, *, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
@@ -96,4 +111,4 @@ def state_dict_for_refit(
     return out
 
 
-__all__ = ["iter_refit_tensors", "merged_lora_weight", "state_dict_for_refit"]
+__all__ = ["iter_adapter_tensors", "iter_refit_tensors", "merged_lora_weight", "state_dict_for_refit"]

@@ -43,8 +43,10 @@ class LoRAConfig(Section):
     """Initialisation of lora_A (lora_B starts at zero): xavier-uniform (NeMo's) or kaiming-uniform (peft's)."""
     refit: Literal["merged", "adapter"] = "merged"
     """How the generator gets the policy: "merged" pushes base-named weights with W + B.A.alpha/dim merged
-    in (the trainer's module is never merged in place). "adapter" (push only adapter tensors) is refused:
-    the locked vLLM CPU build runs LoRA adapters (measured), but grpo's refit path does not push them yet."""
+    in (the trainer's module is never merged in place). "adapter" pushes only the adapter tensors (through
+    Ray's object store); the vLLM engine starts with LoRA enabled on the checkpoint's base weights and runs
+    every request after a refit with the pushed adapter (generation/lora_adapter.py). Needs the vLLM backend,
+    the sync loop (not grpo.async_grpo) and weight_transport auto or object_store."""
 
     @field_validator("dim")
     @classmethod
@@ -58,14 +60,6 @@ class LoRAConfig(Section):
     def _peft_position(cls, value: str) -> str:
         if value == "post":
             raise ValueError("peft applies LoRA dropout to the adapter's input only; set pre")
-        return value
-
-    @field_validator("refit")
-    @classmethod
-    def _merged_only(cls, value: str) -> str:
-        if value == "adapter":
-            raise ValueError("refit by adapter tensors is not wired into grpo's refit path yet (vLLM's CPU build "
-                             "does run LoRA adapters: benchmarks/results/lora_cpu.md); set merged")
         return value
 
     @model_validator(mode="after")
@@ -204,6 +198,24 @@ class PolicyConfig(Section):
     optimizer: OptimizerConfig = OptimizerConfig()
     scheduler: list[SchedulerEntry] = []
     generation: GenerationConfig = GenerationConfig()
+
+    @model_validator(mode="after")
+    def _lora_adapter_refit(self) -> PolicyConfig:
+        """lora_cfg.refit: adapter runs on vLLM's offline engine fed through the object store."""
+        lora = self.dtensor_cfg.lora_cfg
+        if not (lora.enabled and lora.refit == "adapter"):
+            return self
+        if self.generation.backend != "vllm":
+            raise ValueError(f"policy.dtensor_cfg.lora_cfg.refit: adapter needs policy.generation.backend: vllm (the "
+                             f"{self.generation.backend!r} generator loads full weights only); set refit: merged")
+        if self.generation.weight_transport in ("collective", "ipc"):
+            raise ValueError(f"policy.generation.weight_transport: {self.generation.weight_transport!r} with "
+                             "lora_cfg.refit: adapter; the adapters (a few MiB) go through Ray's object store: set "
+                             "auto or object_store")
+        if lora.dim > 512:
+            raise ValueError(f"policy.dtensor_cfg.lora_cfg.dim: {lora.dim} with refit: adapter exceeds vLLM's largest "
+                             "max_lora_rank (512); set a smaller dim or refit: merged")
+        return self
 
     @model_validator(mode="after")
     def _batching(self) -> PolicyConfig:

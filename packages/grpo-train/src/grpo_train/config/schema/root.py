@@ -74,6 +74,11 @@ class GRPOMasterConfig(Section):
             if self.policy.generation.backend != "vllm":
                 raise ValueError(f"grpo.async_grpo needs policy.generation.backend: vllm (its async engine generates "
                                  f"ahead of training), got {self.policy.generation.backend!r}")
+            lora = self.policy.dtensor_cfg.lora_cfg
+            if lora.enabled and lora.refit == "adapter":
+                raise ValueError("grpo.async_grpo with policy.dtensor_cfg.lora_cfg.refit: adapter is not supported (the "
+                                 "async engine's in-flight updates would need each request to keep its adapter id and "
+                                 "folder until it ends); set refit: merged or grpo.async_grpo.enabled: false")
             if self.policy.generation.weight_transport == "ipc":
                 raise ValueError("grpo.async_grpo: policy.generation.weight_transport 'ipc' needs engines colocated on "
                                  "the trainer's GPUs, which async GRPO does not run; use 'collective', 'object_store' "
