@@ -8,7 +8,9 @@ synthetic batch of that shape. Times, per call (median of --repeats after one wa
 - `train(batch)` (prev taken from the training forward when `reuses_prev`, as in the demo),
 - a bare twin of train: plain HF forward -> log_softmax gather -> the same loss op -> backward ->
   AdamW step, the same rows and micro-batches (what TRL's trainer spends per micro-batch),
-and, with --table, a torch-profiler table of one train call (top ops by self CPU time).
+with --generation instead, the rollout of 8 prompts x 8 samples x 64 tokens through grpo's
+`VllmGenerator` (vLLM's CPU engine in this process, as in the generation actor) and through
+transformers' `generate` (TRL's path), and, with --table, a torch-profiler table of one train call (top ops by self CPU time).
 Each figure is wall seconds and this process's CPU seconds (user+sys): on a loaded shared
 machine the CPU seconds are the work, the wall seconds mostly the wait for a core.
 
@@ -69,8 +71,11 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--table", action="store_true", help="also a torch-profiler table of one train call")
+    parser.add_argument("--generation", action="store_true", help="time the rollout (vLLM vs HF generate) instead")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.generation:
+        return generation(args)
 
     import grpo_kernels
     from grpo_train.config.schema import LossConfig, PolicyConfig
@@ -126,6 +131,48 @@ def main() -> int:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         worker.train(batch)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    return 0
+
+
+def generation(args) -> int:
+    """The 34M rollout: 8 prompts x 8 samples x 64 new tokens, vLLM (grpo's generator) vs HF generate (TRL's)."""
+    import os
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    model_dir = str(write_34m_model(Path(tempfile.mkdtemp(prefix="prof-34m-")) / "model"))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 32, (int(n),), generator=g).tolist() for n in torch.randint(8, PROMPT + 1, (8,), generator=g)]
+    print(f"threads {args.threads}; load: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}",
+          flush=True)
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts]).repeat_interleave(8, 0)  # left-padded, 64 rows
+    mask = (ids != 0).long()
+
+    def hf() -> None:
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                                 max_new_tokens=NEW, min_new_tokens=NEW, pad_token_id=0)
+        assert out.shape[1] == width + NEW
+
+    print(fmt("HF generate (64 rows x 64 tokens)", timed(hf, args.repeats)), flush=True)
+
+    from grpo_train.generation.base import SamplingSpec
+    from grpo_train.generation.vllm_backend import VllmGenerator
+
+    c0, t0 = time.process_time(), time.perf_counter()
+    gen = VllmGenerator(model_dir, max_model_len=96, seed=0)
+    print(f"vLLM import + engine: wall {time.perf_counter() - t0:.2f} s, CPU {time.process_time() - c0:.2f} s", flush=True)
+    spec = SamplingSpec(temperature=1.0, max_new_tokens=NEW, n=8)
+
+    def vllm() -> None:
+        out = gen.generate(prompts, spec)
+        assert len(out) == 64
+
+    print(fmt("vLLM generate (8 prompts x 8 samples x 64 tokens)", timed(vllm, args.repeats)), flush=True)
     return 0
 
 
