@@ -12,8 +12,15 @@ Where the two differ (stated in the results file): grpo generates with vLLM (CPU
 with transformers' `generate`; grpo's baseline is leave-one-out (its demo config), TRL's the
 group mean; grpo runs a refit check each step (TRL has no separate engine to check).
 
+`--scale 34m` runs the same comparison on a ~34M-parameter Qwen2-style model (hidden 512, 8 layers,
+intermediate 2048, the bundled tokenizer; random init, written once to a temporary folder and loaded
+by both sides): 8 prompts x 8 generations, 64 new tokens, two 32-row micro-batches, no validation
+(random weights score nothing). The init makes the end-of-sequence token unreachable (one embedding
+coordinate is a shared constant, the eos row its negative), so both sides generate exactly 64 tokens
+per sample and do the same work whatever their sampler's stopping rule.
+
 Usage (needs the benchmark-only group: `uv sync --frozen --group bench`):
-    uv run --no-sync python benchmarks/e2e/bench_vs_trl.py [--steps 40] [--out benchmarks/results/e2e_vs_trl_cpu.md]
+    uv run --no-sync python benchmarks/e2e/bench_vs_trl.py [--scale tiny|34m] [--steps 40] [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -37,12 +44,56 @@ TRAIN_ROWS, TRAIN_SEED, VAL_ROWS, VAL_SEED, DIGITS = 100_000, 1, 256, 2, 2
 VAL_PERIOD = 10
 
 
+class Scale:
+    """What differs between the two scales; the rest (lr, KL, clip, loss, task) is shared."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        big = name == "34m"
+        self.prompts, self.micro_batch = (8, 32) if big else (PROMPTS_PER_STEP, MICRO_BATCH)
+        self.max_new_tokens = 64 if big else MAX_NEW_TOKENS
+        self.validate = not big
+        self.model_path = ""  # set by main (the bundled model, or the 34M model it writes)
+
+    @property
+    def rows(self) -> int:
+        return self.prompts * GENERATIONS
+
+
+def write_34m_model(folder: Path) -> Path:
+    """A randomly initialised ~34M Qwen2 with the bundled tokenizer; eos cannot be sampled (see the docstring)."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from grpo_train.assets import builtin_model_path
+
+    tiny = builtin_model_path("arith-tiny")
+    config = AutoConfig.from_pretrained(tiny)
+    config.update({"hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 8,
+                   "num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 128,
+                   "layer_types": ["full_attention"] * 8})
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight  # tied with lm_head
+        emb[:, 0] = 4.0  # a shared coordinate: the final norm's output keeps a large positive value there
+        emb[config.eos_token_id, 0] = -4.0  # so eos's logit sits far below every other token's (p < 1e-20 measured)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    for f in tiny.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
 def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 # ------------------------------------------------------------------------------ TRL side
-def trl_main(steps: int, out_json: Path) -> None:
+def trl_main(steps: int, out_json: Path, scale: Scale) -> None:
     """Runs in its own process (the timings count its imports like grpo's)."""
     import torch
     from datasets import Dataset
@@ -54,7 +105,7 @@ def trl_main(steps: int, out_json: Path) -> None:
     from grpo_train.assets import builtin_model_path
     from grpo_train.step import process_age_s
 
-    model_path = str(builtin_model_path("arith-tiny"))
+    model_path = scale.model_path or str(builtin_model_path("arith-tiny"))
     tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
 
@@ -75,7 +126,7 @@ def trl_main(steps: int, out_json: Path) -> None:
         enc = tokenizer([r["prompt"] for r in val], return_tensors="pt", padding=True, add_special_tokens=False)
         was_training = m.training
         m.eval()
-        out = m.generate(**enc, do_sample=False, max_new_tokens=MAX_NEW_TOKENS, pad_token_id=tokenizer.pad_token_id)
+        out = m.generate(**enc, do_sample=False, max_new_tokens=scale.max_new_tokens, pad_token_id=tokenizer.pad_token_id)
         m.train(was_training)
         texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
         return sum(score(t, r["answer"]) for t, r in zip(texts, val)) / len(val)
@@ -90,7 +141,7 @@ def trl_main(steps: int, out_json: Path) -> None:
 
         def on_step_end(self, args, state, control, model=None, **kw):
             record["steps"].append(time.perf_counter() - self.t0)
-            if state.global_step % VAL_PERIOD == 0 or state.global_step == steps:
+            if scale.validate and (state.global_step % VAL_PERIOD == 0 or state.global_step == steps):
                 record["val"][state.global_step] = held_out_accuracy(model)
 
     class TimedGRPOTrainer(GRPOTrainer):
@@ -104,8 +155,8 @@ def trl_main(steps: int, out_json: Path) -> None:
 
     args = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl-bench-"), max_steps=steps, learning_rate=LR,
-        per_device_train_batch_size=MICRO_BATCH, gradient_accumulation_steps=PROMPTS_PER_STEP * GENERATIONS // MICRO_BATCH,
-        num_generations=GENERATIONS, max_completion_length=MAX_NEW_TOKENS, temperature=1.0, top_p=1.0,
+        per_device_train_batch_size=scale.micro_batch, gradient_accumulation_steps=scale.rows // scale.micro_batch,
+        num_generations=GENERATIONS, max_completion_length=scale.max_new_tokens, temperature=1.0, top_p=1.0,
         beta=BETA, epsilon=CLIP, loss_type="dapo", scale_rewards="group", lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0,
         logging_steps=1, report_to="none", save_strategy="no", seed=SEED, use_cpu=True, bf16=False,
@@ -113,16 +164,27 @@ def trl_main(steps: int, out_json: Path) -> None:
     )
     trainer = TimedGRPOTrainer(model=model, reward_funcs=arithmetic_reward, args=args, train_dataset=train,
                                processing_class=tokenizer, callbacks=[Timing()])
-    record["val"][0] = held_out_accuracy(trainer.model)  # step-0 validation, as grpo's val_at_start
+    if scale.validate:
+        record["val"][0] = held_out_accuracy(trainer.model)  # step-0 validation, as grpo's val_at_start
     trainer.train()
     record["threads"] = torch.get_num_threads()
     out_json.write_text(json.dumps(record))
 
 
 # ----------------------------------------------------------------------------- grpo side
-def run_grpo(steps: int) -> dict:
+def grpo_overrides(scale: Scale) -> list[str]:
+    if scale.name == "tiny":
+        return []
+    return [f"policy.model_name={scale.model_path}", f"grpo.num_prompts_per_step={scale.prompts}",
+            f"policy.train_global_batch_size={scale.rows}", f"policy.train_micro_batch_size={scale.micro_batch}",
+            f"policy.generation.max_new_tokens={scale.max_new_tokens}", "policy.max_total_sequence_length=96",
+            "grpo.val_at_start=false", "grpo.val_at_end=false", "grpo.val_period=0", "checkpointing.enabled=false"]
+
+
+def run_grpo(steps: int, scale: Scale) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix="grpo-vs-trl-")) / "run"
-    cmd = [sys.executable, "-m", "grpo_cli.main", "train", "--run-dir", str(run_dir), f"grpo.max_num_steps={steps}"]
+    cmd = [sys.executable, "-m", "grpo_cli.main", "train", "--run-dir", str(run_dir), f"grpo.max_num_steps={steps}",
+           *grpo_overrides(scale)]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - start
@@ -140,9 +202,10 @@ def run_grpo(steps: int) -> dict:
             "val": {r["step"]: r["accuracy"] for r in rows if r["split"] == "val"}}
 
 
-def run_trl(steps: int) -> dict:
+def run_trl(steps: int, scale: Scale) -> dict:
     out_json = Path(tempfile.mkdtemp(prefix="trl-bench-")) / "trl.json"
-    cmd = [sys.executable, __file__, "--trl-worker", str(out_json), "--steps", str(steps)]
+    cmd = [sys.executable, __file__, "--trl-worker", str(out_json), "--steps", str(steps), "--scale", scale.name,
+           "--model-path", scale.model_path]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - start
@@ -161,20 +224,25 @@ def curve(val: dict) -> str:
     return ", ".join(f"{k}: {v:.3f}" for k, v in sorted(val.items()))
 
 
-def report(grpo: dict, trl: dict, steps: int, load_before: str, load_after: str, order: str) -> str:
+def report(grpo: dict, trl: dict, steps: int, load_before: str, load_after: str, order: str, scale: Scale) -> str:
     ratio = lambda a, b: f"{a / b:.2f}x"  # noqa: E731
+    title = ("tiny scale (bundled arith-tiny, ~1M params)" if scale.name == "tiny" else
+             "34M scale (Qwen2-style, hidden 512, 8 layers, random init, bundled tokenizer)")
     lines = [
-        "# grpo vs TRL GRPOTrainer, tiny scale (bundled arith-tiny, ~1M params) on CPU",
+        f"# grpo vs TRL GRPOTrainer, {title} on CPU",
         "",
         f"- machine: {machine()}",
         f"- commit: {git_commit()}; TRL 1.16.0 (benchmark-only `bench` group), run order: {order}, back to back",
         f"- load before: `{load_before}`",
         f"- load after: `{load_after}`",
-        f"- settings: {PROMPTS_PER_STEP} prompts x {GENERATIONS} generations, one optimizer step of 2 x {MICRO_BATCH} rows, "
-        f"lr {LR} constant, KL {BETA} (k3), clip {CLIP}, {MAX_NEW_TOKENS} new tokens at T=1.0, {steps} steps, float32",
+        f"- settings: {scale.prompts} prompts x {GENERATIONS} generations, one optimizer step of "
+        f"{scale.rows // scale.micro_batch} x {scale.micro_batch} rows, lr {LR} constant, KL {BETA} (k3), clip {CLIP}, "
+        f"{scale.max_new_tokens} new tokens at T=1.0, {steps} steps, float32"
+        + ("" if scale.validate else ", no validation (random weights; eos unreachable, so every sample has all its tokens)"),
         "- differences: grpo generates with vLLM (CPU), TRL with transformers `generate`; grpo's baseline is "
         "leave-one-out (demo config), TRL's the group mean; grpo checks the refit every step",
-        "- time to first step = process start -> start of step 1 (after the step-0 validation), both sides",
+        "- time to first step = process start -> start of step 1"
+        + (" (after the step-0 validation)" if scale.validate else "") + ", both sides",
         "",
         "| | TRL | grpo | grpo / TRL | target |",
         "|---|---|---|---|---|",
@@ -190,26 +258,37 @@ def report(grpo: dict, trl: dict, steps: int, load_before: str, load_after: str,
     ]
     lines += [f"| grpo | {k} | {v:.3f} |" for k, v in grpo["phases"].items()]
     lines += [f"| TRL | {k} | {v:.3f} |" for k, v in trl["phases"].items()]
-    lines += ["", f"Held-out greedy accuracy: grpo {curve(grpo['val'])}; TRL {curve(trl['val'])}",
-              f"(TRL ran with torch's {trl['threads']} threads)", ""]
+    lines += [""]
+    if scale.validate:
+        lines += [f"Held-out greedy accuracy: grpo {curve(grpo['val'])}; TRL {curve(trl['val'])}"]
+    lines += [f"(TRL ran with torch's {trl['threads']} threads)", ""]
     return "\n".join(lines)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "e2e_vs_trl_cpu.md")
+    parser.add_argument("--scale", choices=["tiny", "34m"], default="tiny")
+    parser.add_argument("--steps", type=int, default=None, help="40 at the tiny scale, 4 at 34m")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default benchmarks/results/e2e_vs_trl_cpu.md (tiny), e2e_vs_trl_34m_cpu.md (34m)")
     parser.add_argument("--trl-worker", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--model-path", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    scale = Scale(args.scale)
+    steps = args.steps or (40 if args.scale == "tiny" else 4)
     if args.trl_worker is not None:
-        trl_main(args.steps, args.trl_worker)
+        scale.model_path = args.model_path
+        trl_main(steps, args.trl_worker, scale)
         return 0
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    if scale.name == "34m":
+        scale.model_path = str(write_34m_model(Path(tempfile.mkdtemp(prefix="bench-34m-")) / "model"))
+    out = args.out or ROOT / "benchmarks" / "results" / ("e2e_vs_trl_cpu.md" if scale.name == "tiny" else "e2e_vs_trl_34m_cpu.md")
     load_before = uptime()
-    trl = run_trl(args.steps)
-    grpo = run_grpo(args.steps)
-    text = report(grpo, trl, args.steps, load_before, uptime(), "TRL then grpo")
-    args.out.write_text(text)
+    trl = run_trl(steps, scale)
+    grpo = run_grpo(steps, scale)
+    text = report(grpo, trl, steps, load_before, uptime(), "TRL then grpo", scale)
+    out.write_text(text)
     print(text)
     return 0
 
