@@ -549,9 +549,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=SEED)
     parser.add_argument("--threads", type=int, default=1, help="torch threads; results depend on it")
     parser.add_argument("--skip-vllm", action="store_true", help="skip the real-vLLM greedy check")
-    parser.add_argument("--recipe", choices=("biased-carry", "early-stop"), default="biased-carry",
-                        help="biased-carry: converged SFT on carry-biased labels (default); early-stop: stop at TARGET_ACCURACY")
+    parser.add_argument("--recipe", choices=("biased-carry", "early-stop", "tool-arith"), default="biased-carry",
+                        help="biased-carry: converged SFT on carry-biased labels (default); early-stop: stop at "
+                             "TARGET_ACCURACY; tool-arith: the calculator-tool model (scripts/build_tiny_tool_model.py)")
     args = parser.parse_args(argv)
+    if args.recipe == "tool-arith":
+        import build_tiny_tool_model
+
+        rest = [a for a in (sys.argv[1:] if argv is None else argv) if a not in ("--recipe", "tool-arith", "--recipe=tool-arith")]
+        return build_tiny_tool_model.main(rest)
 
     out: Path = args.out
     if out.exists() and any(out.iterdir()) and not (out / "build_info.json").is_file():

@@ -17,6 +17,11 @@ BUILTIN_MODELS: dict[str, str] = {
         "Qwen2-style, ~1M parameters, character tokenizer; SFT-warmed to about half greedy accuracy "
         'on 2-digit addition (prompt "37+5=", answer "42" + <eos>, no BOS, no chat template)'
     ),
+    "arith-tool-tiny": (
+        "Qwen2-style, ~1M parameters, with a chat template that renders tools; SFT-warmed on 4-digit "
+        "addition to call the `calculator` tool (Hermes format) in a minority of samples, answering "
+        "directly (mostly wrong) otherwise; the model of grpo_tool_arith_tiny.yaml"
+    ),
 }
 """Built-in model names and a one-line description of each."""
 
