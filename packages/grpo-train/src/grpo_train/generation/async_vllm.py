@@ -70,7 +70,12 @@ class AsyncVllmGenerator:
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from grpo_train.generation.vllm_backend import GIB, WORKER_EXTENSION, _checkpoint_weight_names
+        from grpo_train.generation.vllm_backend import (
+            GIB,
+            WORKER_EXTENSION,
+            _checkpoint_weight_names,
+            cpu_thread_binding,
+        )
 
         if temperature_for_logprobs <= 0:
             raise ValueError(f"temperature_for_logprobs must be > 0, got {temperature_for_logprobs}")
@@ -95,6 +100,7 @@ class AsyncVllmGenerator:
         if current_platform.is_cpu():
             engine_kwargs["kv_cache_memory_bytes"] = int(kv_cache_space_gb * GIB)
             saved_env = os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # see VllmGenerator
+            cpu_thread_binding(tensor_parallel_size)
         else:
             engine_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         try:
