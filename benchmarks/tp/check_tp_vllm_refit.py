@@ -29,25 +29,11 @@ from grpo_train.config.schema import ClusterConfig, DTensorConfig, PolicyConfig 
 from grpo_train.policy.group import PolicyGroup  # noqa: E402
 from grpo_train.weight_sync import DEFAULT_LIMITS, gate_refit, refit_stats  # noqa: E402
 from grpo_train.weight_transport import CollectiveTransport, ObjectStoreTransport  # noqa: E402
+from test_refit import InProcess  # noqa: E402
 from test_tp_workers import LOSS, make_batch  # noqa: E402
 
 TEMPERATURE = 0.7
 BUCKET_BYTES = 64 * 1024
-
-
-class InProcess:
-    """A generator in this process behind an actor's `.method.remote(...)` calls (ObjectRef arguments
-    resolved as Ray resolves them for an actor), so the transports' own code drives it."""
-
-    def __init__(self, generator) -> None:
-        self.generator = generator
-
-    def __getattr__(self, method: str):
-        def remote(*args, **kwargs):
-            args = [ray.get(a) if isinstance(a, ray.ObjectRef) else a for a in args]
-            return ray.put(getattr(self.generator, method)(*args, **kwargs))
-
-        return type("Method", (), {"remote": staticmethod(remote)})
 
 
 def main() -> int:
