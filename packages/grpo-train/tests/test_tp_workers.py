@@ -6,7 +6,8 @@ same state: the TP group loads the single worker's checkpoint first (rank 0 read
 scatters it into the TP shards). One optimizer step, the clip acting: logprobs (policy and
 reference), loss, grad norm, every gradient, the updated weights the refit gathers and the
 checkpoint the TP ranks write in the unsharded HF format must agree within 1e-5 relative. Resuming from
-that checkpoint repeats the next step bitwise in the TP group and within 1e-5 in one unsharded worker."""
+that checkpoint (padded case) repeats the next step bitwise in the TP group and within 1e-5 in one
+unsharded worker."""
 
 from __future__ import annotations
 
@@ -128,7 +129,8 @@ def test_tp2_ranks_match_one_worker(ray_session, tiny_qwen2_dir, tmp_path, sp, p
         ray.get(group.save.remote(str(tmp_path / "saved")))
         saved = load_file(Path(tmp_path / "saved" / "model" / "model.safetensors"))
         assert_close_rel(saved, w1, "checkpoint (unsharded HF format)")
-        check_resume(single, group, str(tmp_path / "saved"))
+        if not sp:  # one case suffices: SP and packing change activations, not the parameters' or checkpoint's layout
+            check_resume(single, group, str(tmp_path / "saved"))
     finally:
         group.close()
 
