@@ -94,6 +94,10 @@ def test_cpu_cluster_plan_has_no_memory_check():
     plan = make_plan(cfg, 80)
     assert plan.gpus == [] and not plan.problems
     assert [a.name for a in plan.actors] == ["policy rank 0", "  reference (in rank 0)", "engine 0", "env math [0]"]
+    assert plan.actors[2].bundle == "{CPU:1}"
+    tp2 = validate_config_dict({"policy": {"model_name": "builtin:arith-tiny",
+                                           "generation": {"vllm_cfg": {"tensor_parallel_size": 2}}}})
+    assert make_plan(tp2, 80).actors[2].bundle == "{CPU:1} + 2 TP worker processes"  # the CPU build's TP engine
 
 
 def test_cli_plan_exit_codes(capsys):

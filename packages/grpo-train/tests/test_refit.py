@@ -287,6 +287,63 @@ def test_lora_adapter_refit_passes_the_gate(model_dir):
     assert engine._adapters is not None and not engine._adapters.root.exists()
 
 
+class InProcess:
+    """The in-process engine behind an actor's `.method.remote(...)` calls (ObjectRef arguments resolved
+    as Ray resolves them for an actor), so the weight transports' own code drives it."""
+
+    def __init__(self, generator) -> None:
+        self.generator = generator
+
+    def __getattr__(self, method: str):
+        import ray
+
+        def remote(*args, **kwargs):
+            args = [ray.get(a) if isinstance(a, ray.ObjectRef) else a for a in args]
+            return ray.put(getattr(self.generator, method)(*args, **kwargs))
+
+        return type("Method", (), {"remote": staticmethod(remote)})
+
+
+@pytest.mark.slow
+def test_refit_from_a_tensor_parallel_trainer_passes_the_gate(ray_session, vllm_gen, model_dir, base_model):
+    """policy.dtensor_cfg.tensor_parallel_size 2 (two Ray actors, a gloo TP mesh, DTensor-sharded weights)
+    after one SGD step, pushed over each CPU transport's own code into the real engine: the engine's
+    logprobs pass the fp32 gate against the TP trainer's own (vocab-parallel) scores, and fail it before
+    each push (the engine is first put back on the starting weights)."""
+    from grpo_train.config.schema import ClusterConfig, DTensorConfig, LossConfig, PolicyConfig
+    from grpo_train.policy.group import PolicyGroup
+    from grpo_train.refit.check import DEFAULT_LIMITS, gate_refit, refit_stats
+    from grpo_train.refit.collective import CollectiveTransport
+    from grpo_train.refit.object_store import ObjectStoreTransport
+
+    ray = ray_session
+    cfg = PolicyConfig(precision="float32", train_global_batch_size=4, train_micro_batch_size=4, logprob_batch_size=4,
+                       max_grad_norm=None, num_workers=2, generation={"temperature": TEMPERATURE},
+                       optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.5}},
+                       dtensor_cfg=DTensorConfig(tensor_parallel_size=2))
+    group = PolicyGroup(model_dir, cfg, LossConfig(reference_policy_kl_penalty=0.0), ClusterConfig(), seed=0)
+    try:
+        ids = torch.randint(3, 64, (4, 24), generator=torch.Generator().manual_seed(5))
+        mask = torch.ones_like(ids)
+        batch = {"input_ids": ids, "attention_mask": mask, "token_mask": mask.float(), "sample_mask": torch.ones(4),
+                 "gen_logprobs": torch.zeros(4, 24), "advantages": torch.tensor([[1.0], [-1.0], [0.5], [-0.5]]) * mask}
+        ray.get(group.train.remote({**batch, "prev_logprobs": ray.get(group.logprobs.remote(batch))}))
+        seqs = [p + [5, 6, 7, 8, 9, 10] for p in PROBE_PROMPTS]
+        plens = [len(p) for p in PROBE_PROMPTS]
+        trainer = ray.get(group.score.remote(seqs, plens))
+        start = state_dict_for_refit(base_model)
+        for version, transport in enumerate((ObjectStoreTransport(64 * 1024), CollectiveTransport(64 * 1024)), 21):
+            vllm_gen.update_weights(start, version - 10)
+            assert refit_stats(trainer, vllm_gen.score(seqs, plens)).max_abs_diff > 0.05, "the step moved too little"
+            group.attach(transport, [InProcess(vllm_gen)])
+            group.push_weights(version)
+            assert vllm_gen.weight_version() == version
+            stats = gate_refit(trainer, vllm_gen.score(seqs, plens), DEFAULT_LIMITS["float32"])
+            print(f"\n[measure] TP=2 trainer -> engine over {transport.name}: max |dlogprob| {stats.max_abs_diff:.2e}")
+    finally:
+        group.close()
+
+
 def test_generation_actors_through_ray(ray_session, model_dir, base_model):
     """generate / update_weights / score / reseed via .remote() on a vLLM actor, then an HF one."""
     ray = ray_session

@@ -5,7 +5,9 @@ The oracle is the single in-process worker on the same global batch (fp32), star
 same state: the TP group loads the single worker's checkpoint first (rank 0 reads it and
 scatters it into the TP shards). One optimizer step, the clip acting: logprobs (policy and
 reference), loss, grad norm, every gradient, the updated weights the refit gathers and the
-checkpoint the TP ranks write in the unsharded HF format must agree within 1e-5 relative."""
+checkpoint the TP ranks write in the unsharded HF format must agree within 1e-5 relative. Resuming from
+that checkpoint (padded case) repeats the next step bitwise in the TP group and within 1e-5 in one
+unsharded worker."""
 
 from __future__ import annotations
 
@@ -73,6 +75,29 @@ def assert_close_rel(got: dict, want: dict, what: str) -> None:
         assert diff <= RTOL * float(want[name].norm()) + ATOL, (what, name, diff, float(want[name].norm()))
 
 
+def check_resume(single, group, saved: str) -> None:
+    """Resume from the TP group's checkpoint (full weights, SGD momentum, scheduler, RNG, written by rank 0
+    in the unsharded format): into the same TP group, the next step repeats bitwise (logprobs, metrics,
+    updated weights); into one unsharded worker (another layout), it agrees within 1e-5 relative."""
+    batch = make_batch(6, seed=1)
+
+    def step(group_or_worker, lp):
+        return group_or_worker({**batch, "prev_logprobs": lp[0], "ref_logprobs": lp[1]})
+
+    lp = ray.get(group.logprobs_and_reference.remote(batch))
+    metrics = ray.get(step(group.train.remote, lp))
+    want = ray.get(group.weights.remote())
+    ray.get(group.load.remote(saved))
+    lp_again = ray.get(group.logprobs_and_reference.remote(batch))
+    assert torch.equal(lp_again, lp)
+    assert ray.get(step(group.train.remote, lp_again)) == metrics
+    got = ray.get(group.weights.remote())
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), "TP resume not bitwise"
+    single.load(saved)
+    step(single.train, single.logprobs_and_reference(batch))
+    assert_close_rel(single.weights(), want, "TP checkpoint resumed by one unsharded worker")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sp,packing", [(False, False), (True, True)], ids=["tp2_padded", "tp2_sp_packed"])
 def test_tp2_ranks_match_one_worker(ray_session, tiny_qwen2_dir, tmp_path, sp, packing):
@@ -104,6 +129,8 @@ def test_tp2_ranks_match_one_worker(ray_session, tiny_qwen2_dir, tmp_path, sp, p
         ray.get(group.save.remote(str(tmp_path / "saved")))
         saved = load_file(Path(tmp_path / "saved" / "model" / "model.safetensors"))
         assert_close_rel(saved, w1, "checkpoint (unsharded HF format)")
+        if not sp:  # one case suffices: SP and packing change activations, not the parameters' or checkpoint's layout
+            check_resume(single, group, str(tmp_path / "saved"))
     finally:
         group.close()
 
@@ -121,6 +148,12 @@ def test_bad_tensor_parallel_input_is_refused_at_its_key_before_training(tiny_qw
                            "dtensor_cfg": cfg}}
 
     check_model_options(GRPOMasterConfig(**dtensor(tensor_parallel_size=2)), tiny_qwen2_dir)  # 2 heads, vocab 64
+    engine = {"policy": {"generation": {"vllm_cfg": {"tensor_parallel_size": 2}}}}
+    check_model_options(GRPOMasterConfig(**engine), tiny_qwen2_dir)
+    engine["policy"]["generation"]["vllm_cfg"]["tensor_parallel_size"] = 4
+    with pytest.raises(StartupError, match=r"^policy.generation.vllm_cfg.tensor_parallel_size: 4 does not fit the "
+                                           r"model's num_attention_heads=2, num_key_value_heads=2"):
+        check_model_options(GRPOMasterConfig(**engine), tiny_qwen2_dir)
     with pytest.raises(StartupError, match=r"^policy.dtensor_cfg.tensor_parallel_size: 4 does not divide the "
                                            r"model's num_attention_heads=2, num_key_value_heads=2"):
         check_model_options(GRPOMasterConfig(**dtensor(4, tensor_parallel_size=4)), tiny_qwen2_dir)

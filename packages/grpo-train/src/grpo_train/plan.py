@@ -260,7 +260,8 @@ def make_plan(cfg: GRPOMasterConfig, gpu_memory_gb: float | None = None, model_p
     separate = (res.gpus_per_node or 0) * (res.num_nodes or 1)
     if not g:
         name = "async engine" if cfg.grpo.async_grpo.enabled else "engine 0"
-        actors.append(Actor(name, None, "{CPU:1}", 0.0))
+        # vLLM's CPU build runs a TP engine as one worker process per shard beside the actor's engine core
+        actors.append(Actor(name, None, "{CPU:1}" if tp == 1 else f"{{CPU:1}} + {tp} TP worker processes", 0.0))
     elif gen.colocated.enabled:
         for r, (node, dev) in enumerate(ranks):
             actors.append(Actor(f"engine {r} (colocated)", node, f"policy[{r}] (shared)", 0.5, dev))

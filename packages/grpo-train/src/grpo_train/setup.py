@@ -91,6 +91,24 @@ def check_plan(cfg: GRPOMasterConfig, model_path: str):
     return plan
 
 
+def check_engine_tensor_parallel(cfg: GRPOMasterConfig, model_path: str) -> None:
+    """vLLM splits attention heads over its TP ranks (KV heads too, or replicates them when there are
+    fewer KV heads than ranks): a size that does not fit the model is refused here, not by the engine
+    after the actors start."""
+    tp = cfg.policy.generation.vllm_cfg.tensor_parallel_size
+    if cfg.policy.generation.backend != "vllm" or tp == 1:
+        return
+    from transformers import AutoConfig
+
+    text = AutoConfig.from_pretrained(model_path).get_text_config()
+    heads = int(text.num_attention_heads)
+    kv = int(getattr(text, "num_key_value_heads", None) or heads)
+    if heads % tp or (kv % tp and tp % kv):
+        raise StartupError(f"policy.generation.vllm_cfg.tensor_parallel_size: {tp} does not fit the model's "
+                           f"num_attention_heads={heads}, num_key_value_heads={kv} (vLLM needs it to divide the heads, "
+                           f"and to divide or be a multiple of the KV heads)")
+
+
 def check_model_options(cfg: GRPOMasterConfig, model_path: str) -> None:
     """Refuse options the model cannot honour, at their key path, before any actor starts."""
     if cfg.policy.moe_aux_loss_coeff > 0:
@@ -102,6 +120,7 @@ def check_model_options(cfg: GRPOMasterConfig, model_path: str) -> None:
             check_moe_config(AutoConfig.from_pretrained(model_path))
         except NotMoEError as exc:
             raise StartupError(f"policy.moe_aux_loss_coeff: {exc}") from None
+    check_engine_tensor_parallel(cfg, model_path)
     if (tp := cfg.policy.dtensor_cfg.tensor_parallel_size) > 1:
         from transformers import AutoConfig
 

