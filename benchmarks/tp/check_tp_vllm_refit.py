@@ -27,8 +27,9 @@ sys.path.insert(0, "packages/grpo-train/tests")
 from conftest import build_tiny_model  # noqa: E402
 from grpo_train.config.schema import ClusterConfig, DTensorConfig, PolicyConfig  # noqa: E402
 from grpo_train.policy.group import PolicyGroup  # noqa: E402
-from grpo_train.weight_sync import DEFAULT_LIMITS, gate_refit, refit_stats  # noqa: E402
-from grpo_train.weight_transport import CollectiveTransport, ObjectStoreTransport  # noqa: E402
+from grpo_train.refit.check import DEFAULT_LIMITS, gate_refit, refit_stats  # noqa: E402
+from grpo_train.refit.collective import CollectiveTransport  # noqa: E402
+from grpo_train.refit.object_store import ObjectStoreTransport  # noqa: E402
 from test_refit import InProcess  # noqa: E402
 from test_tp_workers import LOSS, make_batch  # noqa: E402
 
