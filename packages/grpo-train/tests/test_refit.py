@@ -176,8 +176,9 @@ def test_hf_generator_refit_takes_effect(model_dir, base_model):
     report("hf in-process", check_refit_takes_effect(direct(gen), base_model, 5, seed=4))
 
 
-@pytest.mark.slow
-# Tests that push into `vllm_gen` must come before test_generation_actors_through_ray, which shuts it down.
+# Tests that push into `vllm_gen` must come before test_generation_actors_through_ray, which shuts it down,
+# and before any test that starts and shuts down an engine of its own (vLLM's shutdown tears down the
+# process-wide parallel state the module's engine runs on).
 def trained_lora_worker(model_dir, refit: str = "merged"):
     """A LoRA policy worker (dim 4, alpha 8) after two AdamW steps: its adapters are non-zero."""
     from grpo_train.config.schema import LossConfig, PolicyConfig
@@ -231,60 +232,6 @@ def test_lora_merged_refit_passes_the_gate(vllm_gen, model_dir):
     assert all(torch.equal(before[k], v) for k, v in worker.model.state_dict().items())
     stats = gate_refit(expected, vllm_gen.score(seqs, plens), DEFAULT_LIMITS["float32"])
     print(f"\n[measure] LoRA merged refit: max |dlogprob| {stats.max_abs_diff:.2e}, mean {stats.mean_abs_diff:.2e}")
-
-
-def test_lora_adapter_refit_passes_the_gate(model_dir):
-    """LoRA with refit: adapter: the push is the adapter tensors only (peft's saved names, their bytes
-    exactly the trainable parameters'), the LoRA-enabled engine serves the checkpoint's base until the
-    first push and the adapted policy after it, in score and in generate, within the fp32 gate; a second
-    push replaces the adapter (new LoRA id, the old folder removed); a full-weight push is refused."""
-    from grpo_train.refit.check import DEFAULT_LIMITS, gate_refit
-
-    worker = trained_lora_worker(model_dir, refit="adapter")
-    seqs, plens, expected = lora_probe(worker)
-    engine = VllmGenerator(model_dir, max_model_len=MAX_MODEL_LEN, temperature_for_logprobs=TEMPERATURE,
-                           kv_cache_space_gb=KV_GB, lora_adapter={"dim": 4, "alpha": 8})
-    try:
-        with torch.no_grad():
-            base = [worker.logprobs({"input_ids": torch.tensor([s]), "attention_mask": torch.ones(1, len(s))},
-                                    reference=True)[0, p:].tolist() for s, p in zip(seqs, plens)]
-        assert engine.lora_request_id() is None
-        gate_refit(base, engine.score(seqs, plens), DEFAULT_LIMITS["float32"])  # the base, before any push
-
-        weights = worker.weights()
-        trainable = {n: p for n, p in worker.model.named_parameters() if p.requires_grad}
-        assert len(weights) == len(trainable) > 0
-        assert all(k.startswith("base_model.model.") and (".lora_A.weight" in k or ".lora_B.weight" in k) for k in weights)
-        for name, param in trainable.items():  # model.layers.0.self_attn.q_proj.lora_A.default.weight
-            assert torch.equal(weights["base_model.model." + name.replace(".default.", ".")], param.detach())
-        pushed = sum(t.numel() * t.element_size() for t in weights.values())
-        assert pushed == 4 * sum(p.numel() for p in trainable.values())
-        full = sum(t.numel() * t.element_size() for t in state_dict_for_refit(worker.model).values())
-        print(f"\n[measure] adapter push {pushed} bytes vs merged {full} bytes")
-
-        seconds = engine.update_weights(weights, 1)
-        assert engine.lora_request_id() == 2 and engine.weight_version() == 1
-        stats = gate_refit(expected, engine.score(seqs, plens), DEFAULT_LIMITS["float32"])
-        print(f"[measure] LoRA adapter refit: {seconds:.3f} s, max |dlogprob| {stats.max_abs_diff:.2e}")
-        sampled = engine.generate([PROBE_PROMPTS[0]], SamplingSpec(temperature=TEMPERATURE, max_new_tokens=8))[0]
-        trainer = worker.score([sampled.prompt_ids + sampled.response_ids], [len(sampled.prompt_ids)])
-        gate_refit(trainer, [sampled.response_logprobs], DEFAULT_LIMITS["float32"])
-
-        folders = engine._adapters
-        assert folders is not None and folders.current is not None
-        first = folders.current
-        train_lora_step(worker, torch.Generator().manual_seed(8))
-        expected2 = worker.score(seqs, plens)
-        assert diff(expected, expected2) > 1e-3  # the step moved the adapters
-        engine.update_weights(worker.weights(), 2)
-        assert engine.lora_request_id() == 3 and not first.exists()
-        assert [p.name for p in folders.root.iterdir()] == ["v2"]
-        gate_refit(expected2, engine.score(seqs, plens), DEFAULT_LIMITS["float32"])
-        with pytest.raises(ValueError, match="not a peft adapter tensor"):
-            engine.update_weights(state_dict_for_refit(worker.model), 3)
-    finally:
-        engine.shutdown()
-    assert engine._adapters is not None and not engine._adapters.root.exists()
 
 
 class InProcess:
@@ -385,6 +332,60 @@ def test_partial_or_unknown_weights_are_refused(vllm_gen, model_dir, base_model)
         with pytest.raises(KeyError, match="unexpected .'model.not_a_layer.weight'"):
             gen.update_weights(bogus, version + 1)
         assert gen.weight_version() == version
+
+
+def test_lora_adapter_refit_passes_the_gate(model_dir):
+    """LoRA with refit: adapter: the push is the adapter tensors only (peft's saved names, their bytes
+    exactly the trainable parameters'), the LoRA-enabled engine serves the checkpoint's base until the
+    first push and the adapted policy after it, in score and in generate, within the fp32 gate; a second
+    push replaces the adapter (new LoRA id, the old folder removed); a full-weight push is refused."""
+    from grpo_train.refit.check import DEFAULT_LIMITS, gate_refit
+
+    worker = trained_lora_worker(model_dir, refit="adapter")
+    seqs, plens, expected = lora_probe(worker)
+    engine = VllmGenerator(model_dir, max_model_len=MAX_MODEL_LEN, temperature_for_logprobs=TEMPERATURE,
+                           kv_cache_space_gb=KV_GB, lora_adapter={"dim": 4, "alpha": 8})
+    try:
+        with torch.no_grad():
+            base = [worker.logprobs({"input_ids": torch.tensor([s]), "attention_mask": torch.ones(1, len(s))},
+                                    reference=True)[0, p:].tolist() for s, p in zip(seqs, plens)]
+        assert engine.lora_request_id() is None
+        gate_refit(base, engine.score(seqs, plens), DEFAULT_LIMITS["float32"])  # the base, before any push
+
+        weights = worker.weights()
+        trainable = {n: p for n, p in worker.model.named_parameters() if p.requires_grad}
+        assert len(weights) == len(trainable) > 0
+        assert all(k.startswith("base_model.model.") and (".lora_A.weight" in k or ".lora_B.weight" in k) for k in weights)
+        for name, param in trainable.items():  # model.layers.0.self_attn.q_proj.lora_A.default.weight
+            assert torch.equal(weights["base_model.model." + name.replace(".default.", ".")], param.detach())
+        pushed = sum(t.numel() * t.element_size() for t in weights.values())
+        assert pushed == 4 * sum(p.numel() for p in trainable.values())
+        full = sum(t.numel() * t.element_size() for t in state_dict_for_refit(worker.model).values())
+        print(f"\n[measure] adapter push {pushed} bytes vs merged {full} bytes")
+
+        seconds = engine.update_weights(weights, 1)
+        assert engine.lora_request_id() == 2 and engine.weight_version() == 1
+        stats = gate_refit(expected, engine.score(seqs, plens), DEFAULT_LIMITS["float32"])
+        print(f"[measure] LoRA adapter refit: {seconds:.3f} s, max |dlogprob| {stats.max_abs_diff:.2e}")
+        sampled = engine.generate([PROBE_PROMPTS[0]], SamplingSpec(temperature=TEMPERATURE, max_new_tokens=8))[0]
+        trainer = worker.score([sampled.prompt_ids + sampled.response_ids], [len(sampled.prompt_ids)])
+        gate_refit(trainer, [sampled.response_logprobs], DEFAULT_LIMITS["float32"])
+
+        folders = engine._adapters
+        assert folders is not None and folders.current is not None
+        first = folders.current
+        train_lora_step(worker, torch.Generator().manual_seed(8))
+        expected2 = worker.score(seqs, plens)
+        assert diff(expected, expected2) > 1e-3  # the step moved the adapters
+        engine.update_weights(worker.weights(), 2)
+        assert engine.lora_request_id() == 3 and not first.exists()
+        assert [p.name for p in folders.root.iterdir()] == ["v2"]
+        gate_refit(expected2, engine.score(seqs, plens), DEFAULT_LIMITS["float32"])
+        with pytest.raises(ValueError, match="not a peft adapter tensor"):
+            engine.update_weights(state_dict_for_refit(worker.model), 3)
+    finally:
+        engine.shutdown()
+    assert engine._adapters is not None and not engine._adapters.root.exists()
 
 
 def test_unknown_backend_is_a_clear_error():
