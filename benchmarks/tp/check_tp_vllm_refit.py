@@ -27,6 +27,7 @@ sys.path.insert(0, "packages/grpo-train/tests")
 from conftest import build_tiny_model  # noqa: E402
 from grpo_train.config.schema import ClusterConfig, DTensorConfig, PolicyConfig  # noqa: E402
 from grpo_train.policy.group import PolicyGroup  # noqa: E402
+from grpo_train.refit import push_weights  # noqa: E402
 from grpo_train.refit.check import DEFAULT_LIMITS, gate_refit, refit_stats  # noqa: E402
 from grpo_train.refit.collective import CollectiveTransport  # noqa: E402
 from grpo_train.refit.object_store import ObjectStoreTransport  # noqa: E402
@@ -76,7 +77,7 @@ def main() -> int:
                 group.transport, group.generators = transport, [local]
                 transport.connect(group, [local])
                 start = time.perf_counter()
-                group.push_weights(version)
+                push_weights(group, None, version)
                 seconds = time.perf_counter() - start
                 try:
                     stats = gate_refit(trainer, engine.score(seqs, plens), DEFAULT_LIMITS["float32"])

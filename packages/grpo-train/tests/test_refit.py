@@ -259,6 +259,7 @@ def test_refit_from_a_tensor_parallel_trainer_passes_the_gate(ray_session, vllm_
     each push (the engine is first put back on the starting weights)."""
     from grpo_train.config.schema import ClusterConfig, DTensorConfig, LossConfig, PolicyConfig
     from grpo_train.policy.group import PolicyGroup
+    from grpo_train.refit import push_weights
     from grpo_train.refit.check import DEFAULT_LIMITS, gate_refit, refit_stats
     from grpo_train.refit.collective import CollectiveTransport
     from grpo_train.refit.object_store import ObjectStoreTransport
@@ -283,7 +284,7 @@ def test_refit_from_a_tensor_parallel_trainer_passes_the_gate(ray_session, vllm_
             vllm_gen.update_weights(start, version - 10)
             assert refit_stats(trainer, vllm_gen.score(seqs, plens)).max_abs_diff > 0.05, "the step moved too little"
             group.attach(transport, [InProcess(vllm_gen)])
-            group.push_weights(version)
+            push_weights(group, None, version)
             assert vllm_gen.weight_version() == version
             stats = gate_refit(trainer, vllm_gen.score(seqs, plens), DEFAULT_LIMITS["float32"])
             print(f"\n[measure] TP=2 trainer -> engine over {transport.name}: max |dlogprob| {stats.max_abs_diff:.2e}")
