@@ -167,7 +167,7 @@ class ValueWorker:
         return sums | {"value_grad_norm": grad_norm, "value_lr": lr}
 
     # ------------------------------------------------------------------- weights and state
-    def save(self, folder: str) -> None:
+    def save(self, folder: str | Path) -> None:
         """Weights (HF backbone + head safetensors in the compute dtype, and the fp32 masters
         when they differ; under value.lora_cfg the trained parameters only: `_save_lora`),
         optimizer, scheduler, RNG. One rank saves."""
@@ -204,7 +204,7 @@ class ValueWorker:
         (folder / "model").mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in self.model.head.state_dict().items()}, str(folder / "model" / HEAD_FILE))
 
-    def load(self, folder: str) -> None:
+    def load(self, folder: str | Path) -> None:
         """What `save` wrote; every rank loads the same files."""
         from safetensors.torch import load_file
 
