@@ -102,20 +102,33 @@ def test_kill_and_resume_gives_bitwise_equal_weights_and_metrics(tmp_path):
 
     # Same run, killed with SIGKILL once the step-3 checkpoint exists, then restarted.
     resumed = tmp_path / "resumed"
-    proc = subprocess.Popen(grpo_cmd("train", "--run-dir", str(resumed), *common), cwd=tmp_path,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    with open(tmp_path / "killed.log", "w") as log:
+        proc = subprocess.Popen(grpo_cmd("train", "--run-dir", str(resumed), *common), cwd=tmp_path,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.time() + 600
     while not (resumed / "checkpoints" / "step_3" / "trainer_state.json").exists():
-        assert proc.poll() is None, "the run ended before its step-3 checkpoint"
+        assert proc.poll() is None, ("the run ended before its step-3 checkpoint",
+                                     (tmp_path / "killed.log").read_text()[-4000:])
         assert time.time() < deadline
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    _, err = uninterrupted.communicate(timeout=600)
-    assert uninterrupted.returncode == 0, err[-4000:]
-    result = run_grpo("train", "--run-dir", str(resumed), *common, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "resumed from" in result.stderr
+    assert not (resumed / "checkpoints" / "step_6").exists()
+    # The resumed run starts up while the uninterrupted one finishes its last steps.
+    resume = subprocess.Popen(grpo_cmd("train", "--run-dir", str(resumed), *common), cwd=tmp_path,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        _, err = uninterrupted.communicate(timeout=600)
+        assert uninterrupted.returncode == 0, err[-4000:]
+        _, err = resume.communicate(timeout=600)
+        assert resume.returncode == 0, err[-4000:]
+        assert "resumed from" in err
+    finally:
+        for run in (uninterrupted, resume):
+            if run.poll() is None:
+                os.killpg(run.pid, signal.SIGKILL)
+                run.wait()
 
     # The merged bf16 export, the adapters' fp32 masters and the PEFT adapters (saved in fp32).
     for weights, dtype in (("model/*.safetensors", "bfloat16"), ("master_weights.safetensors", "float32"),
