@@ -81,15 +81,20 @@ def test_short_run_writes_metrics_plot_logs_and_checkpoints(tmp_path):
 
 @pytest.mark.slow
 def test_kill_and_resume_gives_bitwise_equal_weights_and_metrics(tmp_path):
-    """In bf16 mixed precision (trainer and engine bf16; fp32 masters and AdamW state), the stricter
-    case: the resumed run must restore the fp32 masters, not re-widen the bf16 export, to stay
-    bitwise. (fp32 resume is the same code with the masters being the model: test_checkpoint.py.)"""
+    """In LoRA mode (policy.dtensor_cfg.lora_cfg, merged refit) and bf16 mixed precision (trainer and
+    engine bf16; fp32 masters and AdamW state of the adapters), the stricter case: the resumed run
+    must restore the adapters' fp32 masters, not re-widen a bf16 export, to stay bitwise, and the
+    PEFT adapters, the merged bf16 export and every metric must match the uninterrupted run's.
+    (Full-weight bf16 resume is the same MasterWeights code over every parameter:
+    test_precision.py; fp32 resume, the masters being the model: test_checkpoint.py; full-weight
+    kill-and-resume through `grpo train`: test_e2e_ppo.py and test_e2e_async.py.)"""
     from safetensors.torch import load_file
 
     common = [*SHORT, "grpo.max_num_steps=6", "grpo.val_period=0", "grpo.val_at_end=false",
               "checkpointing.save_period=3", "checkpointing.keep_top_k=null", "logger.wandb_enabled=false",
               "logger.tensorboard_enabled=false", "logger.plot_enabled=false",
-              "policy.precision=bfloat16", "policy.generation.vllm_cfg.precision=bfloat16"]
+              "policy.precision=bfloat16", "policy.generation.vllm_cfg.precision=bfloat16",
+              "policy.dtensor_cfg.lora_cfg.enabled=true", "policy.optimizer.kwargs.lr=1e-4"]
     # The uninterrupted run and the one to be killed start side by side (start-up is mostly waiting).
     straight = tmp_path / "straight"
     uninterrupted = subprocess.Popen(grpo_cmd("train", "--run-dir", str(straight), *common), cwd=tmp_path,
@@ -97,26 +102,44 @@ def test_kill_and_resume_gives_bitwise_equal_weights_and_metrics(tmp_path):
 
     # Same run, killed with SIGKILL once the step-3 checkpoint exists, then restarted.
     resumed = tmp_path / "resumed"
-    proc = subprocess.Popen(grpo_cmd("train", "--run-dir", str(resumed), *common), cwd=tmp_path,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    with open(tmp_path / "killed.log", "w") as log:
+        proc = subprocess.Popen(grpo_cmd("train", "--run-dir", str(resumed), *common), cwd=tmp_path,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.time() + 600
     while not (resumed / "checkpoints" / "step_3" / "trainer_state.json").exists():
-        assert proc.poll() is None, "the run ended before its step-3 checkpoint"
+        assert proc.poll() is None, ("the run ended before its step-3 checkpoint",
+                                     (tmp_path / "killed.log").read_text()[-4000:])
         assert time.time() < deadline
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    _, err = uninterrupted.communicate(timeout=600)
-    assert uninterrupted.returncode == 0, err[-4000:]
-    result = run_grpo("train", "--run-dir", str(resumed), *common, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "resumed from" in result.stderr
+    assert not (resumed / "checkpoints" / "step_6").exists()
+    # The resumed run starts up while the uninterrupted one finishes its last steps.
+    resume = subprocess.Popen(grpo_cmd("train", "--run-dir", str(resumed), *common), cwd=tmp_path,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        _, err = uninterrupted.communicate(timeout=600)
+        assert uninterrupted.returncode == 0, err[-4000:]
+        _, err = resume.communicate(timeout=600)
+        assert resume.returncode == 0, err[-4000:]
+        assert "resumed from" in err
+    finally:
+        for run in (uninterrupted, resume):
+            if run.poll() is None:
+                os.killpg(run.pid, signal.SIGKILL)
+                run.wait()
 
-    for weights in ("model/*.safetensors", "master_weights.safetensors"):  # bf16 export and fp32 masters
+    # The merged bf16 export, the adapters' fp32 masters and the PEFT adapters (saved in fp32).
+    for weights, dtype in (("model/*.safetensors", "bfloat16"), ("master_weights.safetensors", "float32"),
+                           ("adapter/*.safetensors", "float32")):
         a = load_file(next((straight / "checkpoints" / "step_6" / "policy").glob(weights)))
         b = load_file(next((resumed / "checkpoints" / "step_6" / "policy").glob(weights)))
         assert a.keys() == b.keys() and a
-        assert {t.dtype for t in a.values()} == {torch_dtype("bfloat16" if weights.startswith("model") else "float32")}
+        assert {t.dtype for t in a.values()} == {torch_dtype(dtype)}, weights
+        if weights != "model/*.safetensors":  # only adapters train and are kept as masters
+            assert all("lora_" in key for key in a), weights
+            assert all(a[k].abs().sum() > 0 for k in a if "lora_B" in k), weights  # trained away from B = 0
         for key in a:
             assert a[key].equal(b[key]), (weights, key)
     rows_a, rows_b = deterministic(read_metrics(straight)), deterministic(read_metrics(resumed))

@@ -28,11 +28,6 @@ def grpo_cmd(run_dir: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "grpo_cli.main", "train", "--run-dir", str(run_dir), *COMMON, *args]
 
 
-def run_grpo(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(grpo_cmd(run_dir, *args), capture_output=True, text=True, cwd=run_dir.parent, timeout=600, env=env)
-
-
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
@@ -47,11 +42,13 @@ def kill_after_checkpoint(proc: subprocess.Popen, run_dir: Path, step: int, dead
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> tuple[Path, Path]:
-    """(an uninterrupted run, the same run SIGKILLed after its step-3 checkpoint). The two start
-    together: start-up is mostly waiting, so overlapping them saves about one start-up. Their Ray
-    heads take turns (grpo_train.setup.start_local_head): two heads started in the same second
-    once made the victim's raylet abort before its first step (tests/test_setup_ray.py)."""
+def runs(tmp_path_factory) -> tuple[Path, Path, tuple[int, str]]:
+    """(an uninterrupted run, the same run SIGKILLed after its step-3 checkpoint and then resumed,
+    (the resumed process's exit code, its stderr)). The first two start together and the resumed
+    one starts while the uninterrupted run finishes its last steps: start-up is mostly waiting, so
+    overlapping them saves start-ups. Their Ray heads take turns (grpo_train.setup.start_local_head):
+    two heads started in the same second once made the victim's raylet abort before its first step
+    (tests/test_setup_ray.py)."""
     root = tmp_path_factory.mktemp("ppo")
     straight, killed = root / "straight", root / "killed"
     killed.mkdir()
@@ -63,6 +60,7 @@ def runs(tmp_path_factory) -> tuple[Path, Path]:
                                     start_new_session=True, env=env)
 
     victim = start_victim()
+    resume = None
     try:
         with open(root / "straight.log", "w") as log:
             full = subprocess.Popen(grpo_cmd(straight), cwd=root, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -70,12 +68,17 @@ def runs(tmp_path_factory) -> tuple[Path, Path]:
                 kill_after_checkpoint(victim, killed, 3, time.time() + 600)
             except AssertionError as exc:
                 raise AssertionError((root / "killed.log").read_text()[-4000:]) from exc
+            assert not (killed / "checkpoints" / "step_6").exists()
+            resume = subprocess.Popen(grpo_cmd(killed), cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      text=True, start_new_session=True, env=env)
             assert full.wait(timeout=600) == 0, (root / "straight.log").read_text()[-4000:]
+            _, err = resume.communicate(timeout=600)
     finally:
-        if victim.poll() is None:
-            os.killpg(victim.pid, signal.SIGKILL)
-            victim.wait()
-    return straight, killed
+        for proc in (victim, resume):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return straight, killed, (resume.returncode, err)
 
 
 @pytest.fixture(scope="module")
@@ -111,11 +114,9 @@ def test_ppo_value_loss_falls_and_held_out_accuracy_rises(straight_run):
 def test_ppo_kill_and_resume_gives_bitwise_equal_policy_value_and_metrics(runs):
     from safetensors.torch import load_file
 
-    straight_run, resumed = runs
-    assert not (resumed / "checkpoints" / "step_6").exists()
-    result = run_grpo(resumed)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "resumed from" in result.stderr
+    straight_run, resumed, (returncode, stderr) = runs
+    assert returncode == 0, stderr[-4000:]
+    assert "resumed from" in stderr
 
     for part in ("policy/model", "value/model"):
         for shard in sorted((straight_run / "checkpoints" / "step_6" / part).glob("*.safetensors")):

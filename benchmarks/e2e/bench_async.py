@@ -11,16 +11,13 @@ Writes a markdown report with the machine it ran on. Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _runs import grpo_train  # noqa: E402
 from bench_demo import ROOT, git_commit, machine  # noqa: E402
 
 QUIET = ["logger.wandb_enabled=false", "logger.tensorboard_enabled=false", "logger.plot_enabled=false",
@@ -37,17 +34,8 @@ VARIANTS = {
 
 
 def run(name: str, overrides: list[str], steps: int) -> dict:
-    run_dir = Path(tempfile.mkdtemp(prefix="grpo-bench-async-")) / "run"
-    cmd = [sys.executable, "-m", "grpo_cli.main", "train", "--run-dir", str(run_dir), *overrides, *QUIET,
-           f"grpo.max_num_steps={steps}"]
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise SystemExit(f"{name} failed:\n{proc.stderr[-4000:]}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    train = [r for r in rows if r["split"] == "train"][1:]
-    val = [r for r in rows if r["split"] == "val"]
+    res = grpo_train(name, [*overrides, *QUIET, f"grpo.max_num_steps={steps}"], prefix="grpo-bench-async-")
+    wall, train, val = res.wall, res.train[1:], res.val
     step_s = [r["timing/step_s"] for r in train]
     gen_s = sum(r.get("timing/generate_s", 0.0) + r.get("timing/reward_s", 0.0) for r in train)
 

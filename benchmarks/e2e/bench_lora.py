@@ -9,37 +9,25 @@ markdown report with the machine, its load average and the commit. Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _runs import grpo_train  # noqa: E402
 from bench_demo import ROOT, git_commit, machine  # noqa: E402
 
 CONFIGS = {"full fine-tuning": "grpo_arith_tiny.yaml", "LoRA (dim 8, alpha 32, merged refit)": "grpo_arith_tiny_lora.yaml"}
 
 
 def run(config: str, steps: int) -> dict:
-    run_dir = Path(tempfile.mkdtemp(prefix="grpo-lora-bench-")) / "run"
     overrides = [f"grpo.max_num_steps={steps}", f"grpo.val_period={steps}", "grpo.max_val_samples=128",
                  "checkpointing.enabled=false", "logger.wandb_enabled=false", "logger.tensorboard_enabled=false",
                  "logger.plot_enabled=false"]
-    cmd = [sys.executable, "-m", "grpo_cli.main", "train", "-c", config, "--run-dir", str(run_dir), *overrides]
     load_before = os.getloadavg()[0]
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise SystemExit(f"{config}: exit {proc.returncode}\n{proc.stderr[-4000:]}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    val = [r for r in rows if r["split"] == "val"]
-    train = [r for r in rows if r["split"] == "train"]
-    return {"val": val, "wall": wall, "load": (load_before, os.getloadavg()[0]),
-            "train_s": sum(r.get("timing/train", 0.0) for r in train) / max(len(train), 1)}
+    res = grpo_train(config, ["-c", config, *overrides], prefix="grpo-lora-bench-")
+    return {"val": res.val, "wall": res.wall, "load": (load_before, os.getloadavg()[0]),
+            "train_s": sum(r.get("timing/train", 0.0) for r in res.train) / max(len(res.train), 1)}
 
 
 def main() -> int:

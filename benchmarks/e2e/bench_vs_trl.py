@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _runs import grpo_train  # noqa: E402
 from bench_demo import ROOT, git_commit, machine  # noqa: E402
 
 PROMPTS_PER_STEP, GENERATIONS, MICRO_BATCH = 16, 8, 64
@@ -182,16 +183,8 @@ def grpo_overrides(scale: Scale) -> list[str]:
 
 
 def run_grpo(steps: int, scale: Scale) -> dict:
-    run_dir = Path(tempfile.mkdtemp(prefix="grpo-vs-trl-")) / "run"
-    cmd = [sys.executable, "-m", "grpo_cli.main", "train", "--run-dir", str(run_dir), f"grpo.max_num_steps={steps}",
-           *grpo_overrides(scale)]
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise SystemExit(f"grpo train failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    train = [r for r in rows if r["split"] == "train"]
+    res = grpo_train("grpo", [f"grpo.max_num_steps={steps}", *grpo_overrides(scale)], prefix="grpo-vs-trl-")
+    wall, rows, train = res.wall, res.rows, res.train
     steady = train[1:] or train
     phases = {}
     for key in sorted({k for r in steady for k in r if k.startswith("timing/") and k not in ("timing/step_s", "timing/startup_s")}):

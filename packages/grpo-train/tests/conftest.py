@@ -36,3 +36,26 @@ def tiny_qwen2_dir(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tiny-qwen2")
     build_tiny_model(path)
     return str(path)
+
+
+def ragged_policy_batch(B: int, seed: int) -> dict[str, torch.Tensor]:
+    """B rows of the tiny model's vocabulary, ragged (odd and even) lengths 5-13, 3 prompt tokens
+    masked, one masked sample (row B // 2, when B > 1); prev/ref logprobs are for the caller to add."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(5, 14, (B,), generator=g)
+    S = int(lengths.max())
+    attention_mask = (torch.arange(S)[None, :] < lengths[:, None]).long()
+    token_mask = attention_mask.float().clone()
+    token_mask[:, :3] = 0
+    sample_mask = torch.ones(B)
+    sample_mask[B // 2] = 0 if B > 1 else 1
+    return {"input_ids": torch.randint(3, 64, (B, S), generator=g) * attention_mask,
+            "attention_mask": attention_mask, "token_mask": token_mask,
+            "gen_logprobs": -torch.rand(B, S, generator=g) * token_mask,
+            "advantages": torch.randn(B, generator=g)[:, None] * token_mask, "sample_mask": sample_mask}
+
+
+@pytest.fixture(scope="session")
+def policy_batch():
+    """`ragged_policy_batch`, shared by the multi-rank worker tests (test_fsdp.py, test_tp_workers.py)."""
+    return ragged_policy_batch

@@ -23,7 +23,6 @@ from grpo_train.policy.group import PolicyGroup
 from grpo_train.refit.buckets import open_group, receive_buckets
 from grpo_train.state_io import load_state
 
-VOCAB = 64
 RTOL = 1e-6
 # k_proj.bias has an exactly-zero gradient in exact arithmetic (softmax ignores a shift shared
 # by all keys): its gradient, and its update, are rounding noise. Tensors compare to 1e-6
@@ -40,22 +39,6 @@ def policy_cfg(num_workers: int, fsdp: bool | None = True, precision: str = "flo
                         logprob_batch_size=3, max_grad_norm=1.0, num_workers=num_workers,
                         optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.5, "momentum": 0.9}},
                         dtensor_cfg=DTensorConfig(enabled=fsdp), generation={"temperature": 0.7})
-
-
-def make_batch(B: int, seed: int) -> dict[str, torch.Tensor]:
-    """B rows of ragged lengths (one masked sample when B > 1), prev/ref logprobs to be added."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(5, 14, (B,), generator=g)
-    S = int(lengths.max())
-    attention_mask = (torch.arange(S)[None, :] < lengths[:, None]).long()
-    token_mask = attention_mask.float().clone()
-    token_mask[:, :3] = 0
-    sample_mask = torch.ones(B)
-    sample_mask[B // 2] = 0 if B > 1 else 1
-    return {"input_ids": torch.randint(3, VOCAB, (B, S), generator=g) * attention_mask,
-            "attention_mask": attention_mask, "token_mask": token_mask,
-            "gen_logprobs": -torch.rand(B, S, generator=g) * token_mask,
-            "advantages": torch.randn(B, generator=g)[:, None] * token_mask, "sample_mask": sample_mask}
 
 
 def prepare(batch, logprobs):
@@ -133,7 +116,7 @@ def collective_refit(group) -> dict[str, torch.Tensor]:
 # Also before the module fixture (room for one 2-rank group beside it).
 @pytest.mark.slow
 @pytest.mark.parametrize("fsdp", [True, None], ids=["fsdp2", "gloo_all_reduce"])
-def test_lora_ranks_match_one_lora_worker(ray_session, tiny_qwen2_dir, tmp_path, fsdp):
+def test_lora_ranks_match_one_lora_worker(policy_batch, ray_session, tiny_qwen2_dir, tmp_path, fsdp):
     """policy.dtensor_cfg.lora_cfg on two data-parallel ranks (FSDP2 over gloo, and full replicas
     with the gloo all-reduce) against one LoRA worker, fp32: the same logprobs (policy and the
     adapters-disabled reference), the same adapter gradients and metrics (1e-6 relative), only
@@ -150,12 +133,12 @@ def test_lora_ranks_match_one_lora_worker(ray_session, tiny_qwen2_dir, tmp_path,
     try:
         torch.set_num_threads(1)
         single = PolicyWorker(tiny_qwen2_dir, cfg(1), LOSS, seed=0)
-        single.train(prepare(make_batch(8, seed=1), single.logprobs))  # non-zero adapters to start from
+        single.train(prepare(policy_batch(8, seed=1), single.logprobs))  # non-zero adapters to start from
         single.save(str(tmp_path / "start"))
         ray.get(group.load.remote(str(tmp_path / "start")))
         assert group._sharded == bool(fsdp)
-        one = prepare(make_batch(16, seed=0), single.logprobs)
-        two = prepare(make_batch(16, seed=0), group_logprobs(group))
+        one = prepare(policy_batch(16, seed=0), single.logprobs)
+        two = prepare(policy_batch(16, seed=0), group_logprobs(group))
         torch.testing.assert_close(two["prev_logprobs"], one["prev_logprobs"], rtol=0, atol=1e-6)
         torch.testing.assert_close(two["ref_logprobs"], one["ref_logprobs"], rtol=0, atol=1e-6)
         assert (one["prev_logprobs"] - one["ref_logprobs"]).abs().max() > 1e-3  # the adapters act
@@ -196,7 +179,7 @@ def test_cpu_default_is_the_gloo_all_reduce_and_true_shards():
 # Runs before the module fixture starts its two groups: the session cluster has room for one
 # 2-rank group beside them, not two.
 @pytest.mark.slow
-def test_bf16_mixed_precision_ranks_reduce_fp32_gradients_as_one_worker(ray_session, tiny_qwen2_dir, tmp_path):
+def test_bf16_mixed_precision_ranks_reduce_fp32_gradients_as_one_worker(policy_batch, ray_session, tiny_qwen2_dir, tmp_path):
     """policy.precision=bfloat16 on two FSDP2 ranks (MixedPrecisionPolicy: fp32 shards, bf16
     gathers, fp32 reduce-scatter) against one unsharded worker (fp32 masters, bf16 compute
     copy): the same bf16 logprobs, the same fp32 gradients (summed over the ranks in fp32) and
@@ -216,8 +199,8 @@ def test_bf16_mixed_precision_ranks_reduce_fp32_gradients_as_one_worker(ray_sess
         single.save(str(tmp_path / "start"))
         ray.get(group.load.remote(str(tmp_path / "start")))
         assert group._sharded
-        one = prepare(make_batch(8, seed=0), single.logprobs)
-        two = prepare(make_batch(8, seed=0), group_logprobs(group))
+        one = prepare(policy_batch(8, seed=0), single.logprobs)
+        two = prepare(policy_batch(8, seed=0), group_logprobs(group))
         torch.testing.assert_close(two["prev_logprobs"], one["prev_logprobs"], rtol=0, atol=0)
         m1, m2 = single.train(one), ray.get(group.train.remote(two))
         assert_metrics_close(m2, m1)
@@ -235,14 +218,14 @@ def test_bf16_mixed_precision_ranks_reduce_fp32_gradients_as_one_worker(ray_sess
         group.close()
 
 
-def test_fsdp_ranks_match_one_worker_and_refit_full_weights(fsdp_group, tiny_qwen2_dir, tmp_path):
+def test_fsdp_ranks_match_one_worker_and_refit_full_weights(policy_batch, fsdp_group, tiny_qwen2_dir, tmp_path):
     """Two optimizer steps (16 rows, 8 per step): logprobs, loss, grad norm, gradients and
     updated weights of the sharded ranks equal the single worker's; both transports carry
     the full weights out of the shards."""
     single = synced_single_worker(fsdp_group, tiny_qwen2_dir, tmp_path / "start")
     assert fsdp_group._sharded
-    one = prepare(make_batch(16, seed=0), single.logprobs)
-    two = prepare(make_batch(16, seed=0), group_logprobs(fsdp_group))
+    one = prepare(policy_batch(16, seed=0), single.logprobs)
+    two = prepare(policy_batch(16, seed=0), group_logprobs(fsdp_group))
     torch.testing.assert_close(two["prev_logprobs"], one["prev_logprobs"], rtol=0, atol=1e-6)
     torch.testing.assert_close(two["ref_logprobs"], one["ref_logprobs"], rtol=0, atol=1e-6)
     m1, m2 = single.train(one), ray.get(fsdp_group.train.remote(two))
@@ -255,12 +238,12 @@ def test_fsdp_ranks_match_one_worker_and_refit_full_weights(fsdp_group, tiny_qwe
     assert "lm_head.weight" not in w1  # tied: sent once, as the embedding
 
 
-def test_fsdp_checkpoint_round_trips_bitwise_and_resumes_exactly(fsdp_groups, tiny_qwen2_dir, tmp_path):
+def test_fsdp_checkpoint_round_trips_bitwise_and_resumes_exactly(policy_batch, fsdp_groups, tiny_qwen2_dir, tmp_path):
     """Save the sharded ranks after a step; a fresh sharded group and an unsharded worker load
     it bitwise (weights, momentum buffers), write it back byte-identical in the unsharded format,
     and take the same next step as the group that never stopped."""
     fsdp_group, resumed = fsdp_groups
-    ray.get(fsdp_group.train.remote(prepare(make_batch(8, seed=1), group_logprobs(fsdp_group))))
+    ray.get(fsdp_group.train.remote(prepare(policy_batch(8, seed=1), group_logprobs(fsdp_group))))
     saved = tmp_path / "saved"
     ray.get(fsdp_group.save.remote(str(saved)))
     resumed.start()
@@ -274,7 +257,7 @@ def test_fsdp_checkpoint_round_trips_bitwise_and_resumes_exactly(fsdp_groups, ti
     assert_state_equal(single.optimizer.state_dict(), load_state(saved, "optimizer"))
     assert_state_equal(ray.get(resumed.weights.remote()), ray.get(fsdp_group.weights.remote()))
 
-    nxt = make_batch(8, seed=2)
+    nxt = policy_batch(8, seed=2)
     m_cont = ray.get(fsdp_group.train.remote(prepare(nxt, group_logprobs(fsdp_group))))
     m_res = ray.get(resumed.train.remote(prepare(nxt, group_logprobs(resumed))))
     m_one = single.train(prepare(nxt, single.logprobs))
@@ -306,12 +289,12 @@ def assert_checkpoints_equal(a: Path, b: Path) -> None:
         assert_state_equal(load_state(a, name), load_state(b, name), name)
 
 
-def test_one_row_on_two_sharded_ranks_is_the_single_worker_step(fsdp_group, tiny_qwen2_dir, tmp_path):
+def test_one_row_on_two_sharded_ranks_is_the_single_worker_step(policy_batch, fsdp_group, tiny_qwen2_dir, tmp_path):
     """Rank 0 gets no rows: it runs pad-token micro-batches so that the shards' gathers and
     reduce-scatters stay matched, and the result is the single worker's."""
     single = synced_single_worker(fsdp_group, tiny_qwen2_dir, tmp_path / "start")
-    one = prepare(make_batch(1, seed=3), single.logprobs)
-    two = prepare(make_batch(1, seed=3), group_logprobs(fsdp_group))
+    one = prepare(policy_batch(1, seed=3), single.logprobs)
+    two = prepare(policy_batch(1, seed=3), group_logprobs(fsdp_group))
     torch.testing.assert_close(two["prev_logprobs"], one["prev_logprobs"], rtol=0, atol=1e-6)
     m1, m2 = single.train(one), ray.get(fsdp_group.train.remote(two))
     assert_metrics_close(m2, m1)

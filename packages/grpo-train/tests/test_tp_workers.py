@@ -22,7 +22,6 @@ from grpo_train.config.schema import ClusterConfig, DTensorConfig, LossConfig, P
 from grpo_train.policy.group import PolicyGroup
 from grpo_train.refit.buckets import open_group, receive_buckets
 
-VOCAB = 64
 RTOL = 1e-5
 ATOL = 1e-9  # k_proj.bias: an exactly-zero gradient in exact arithmetic (see test_fsdp.py)
 LOSS = LossConfig(reference_policy_kl_penalty=0.05)
@@ -36,22 +35,6 @@ def policy_cfg(num_workers: int, tp: int, sp: bool = False, packing: bool = Fals
                         optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.5, "momentum": 0.9}},
                         dtensor_cfg=DTensorConfig(tensor_parallel_size=tp, sequence_parallel=sp),
                         generation={"temperature": 0.7})
-
-
-def make_batch(B: int, seed: int) -> dict[str, torch.Tensor]:
-    """B rows of ragged (odd and even) lengths, one masked sample."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(5, 14, (B,), generator=g)
-    S = int(lengths.max())
-    attention_mask = (torch.arange(S)[None, :] < lengths[:, None]).long()
-    token_mask = attention_mask.float().clone()
-    token_mask[:, :3] = 0
-    sample_mask = torch.ones(B)
-    sample_mask[B // 2] = 0
-    return {"input_ids": torch.randint(3, VOCAB, (B, S), generator=g) * attention_mask,
-            "attention_mask": attention_mask, "token_mask": token_mask,
-            "gen_logprobs": -torch.rand(B, S, generator=g) * token_mask,
-            "advantages": torch.randn(B, generator=g)[:, None] * token_mask, "sample_mask": sample_mask}
 
 
 def collective_refit(group) -> dict[str, torch.Tensor]:
@@ -100,7 +83,7 @@ def check_resume(single, group, saved: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sp,packing", [(False, False), (True, True)], ids=["tp2_padded", "tp2_sp_packed"])
-def test_tp2_ranks_match_one_worker(ray_session, tiny_qwen2_dir, tmp_path, sp, packing):
+def test_tp2_ranks_match_one_worker(policy_batch, ray_session, tiny_qwen2_dir, tmp_path, sp, packing):
     from grpo_train.policy.worker import PolicyWorker
 
     torch.set_num_threads(1)
@@ -110,7 +93,7 @@ def test_tp2_ranks_match_one_worker(ray_session, tiny_qwen2_dir, tmp_path, sp, p
         assert group._sharded  # the ranks' parameters are DTensors: full-weight calls gather on every rank
         single.save(str(tmp_path / "start"))
         ray.get(group.load.remote(str(tmp_path / "start")))
-        batch = make_batch(6, seed=0)
+        batch = policy_batch(6, seed=0)
         lp1 = single.logprobs_and_reference(batch)
         lp2 = ray.get(group.logprobs_and_reference.remote(batch))
         torch.testing.assert_close(lp2, lp1, rtol=0, atol=1e-5)

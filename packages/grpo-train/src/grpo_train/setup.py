@@ -144,6 +144,14 @@ def check_model_options(cfg: GRPOMasterConfig, model_path: str) -> None:
             check_lora_for_model_path(model_path, cfg.policy.dtensor_cfg.lora_cfg)
         except LoRAConfigError as exc:
             raise StartupError(str(exc)) from None
+    if cfg.value is not None and cfg.value.lora_cfg.enabled:
+        from grpo_train.policy.lora import LoRAConfigError, check_lora_for_model_path  # torch: only for LoRA runs
+
+        value_path = resolve_model_path(cfg.value.model_name, "value.model_name") if cfg.value.model_name else model_path
+        try:
+            check_lora_for_model_path(value_path, cfg.value.lora_cfg, key="value.lora_cfg", backbone=True)
+        except LoRAConfigError as exc:
+            raise StartupError(str(exc)) from None
 
 
 # Ray 2.60's raylet gives its dashboard agent and runtime-env agent a fixed 15 s (not a config

@@ -31,12 +31,13 @@ class LoRAConfigError(ValueError):
         self.key = key
 
 
-def peft_config(cfg: LoRAConfig):
-    """peft's LoraConfig for our names (dim -> r, alpha -> lora_alpha, match_all_linear -> "all-linear")."""
+def peft_config(cfg: LoRAConfig, task_type: str | None = "CAUSAL_LM"):
+    """peft's LoraConfig for our names (dim -> r, alpha -> lora_alpha, match_all_linear -> "all-linear").
+    `task_type` None: a plain backbone (the value model's), wrapped by peft's generic PeftModel."""
     from peft import LoraConfig
 
     return LoraConfig(
-        r=cfg.dim, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, bias="none", task_type="CAUSAL_LM",
+        r=cfg.dim, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, bias="none", task_type=task_type,
         target_modules="all-linear" if cfg.match_all_linear else list(cfg.target_modules),
         exclude_modules=list(cfg.exclude_modules) or None,
     )
@@ -47,20 +48,21 @@ def _matches(module_name: str, pattern: str) -> bool:
     return module_name == pattern or module_name.endswith("." + pattern)
 
 
-def check_lora(model: torch.nn.Module, cfg: LoRAConfig) -> None:
+def check_lora(model: torch.nn.Module, cfg: LoRAConfig, key: str = KEY) -> None:
     """Refuse, at its key, a lora_cfg this model cannot take: a MoE model, a target_modules
     entry that names no linear module, a selection left empty by exclude_modules, or an adapter
     on a tied output head (the refit sends tied weights once, so a merged head would be lost).
-    `model` may be on the meta device (start-up checks build it without weights)."""
+    `model` may be on the meta device (start-up checks build it without weights). `key`: the
+    lora_cfg's path (the policy's, or value.lora_cfg)."""
     config = getattr(model, "config", None)
     if any(getattr(config, k, None) for k in MOE_CONFIG_KEYS):
         raise LoRAConfigError("LoRA on mixture-of-experts models is not supported (their expert weights are fused "
-                              "parameters, not linear layers peft adapts); set enabled: false", key=f"{KEY}.enabled")
+                              "parameters, not linear layers peft adapts); set enabled: false", key=f"{key}.enabled")
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     for pattern in cfg.target_modules:
         if not any(_matches(n, pattern) for n in linears):
             raise LoRAConfigError(f"{pattern!r} matches no linear module of the model (e.g. {linears[0]!r}); "
-                                  "set module names or suffixes such as q_proj", key=f"{KEY}.target_modules")
+                                  "set module names or suffixes such as q_proj", key=f"{key}.target_modules")
     head = "lm_head"
     if cfg.match_all_linear:  # peft's "all-linear" leaves the output head out
         chosen = [n for n in linears if n != head]
@@ -69,22 +71,25 @@ def check_lora(model: torch.nn.Module, cfg: LoRAConfig) -> None:
     chosen = [n for n in chosen if not any(_matches(n, p) for p in cfg.exclude_modules)]
     if not chosen:
         raise LoRAConfigError("excludes every module the selection chose: no layer gets an adapter; "
-                              "set fewer exclude_modules", key=f"{KEY}.exclude_modules")
+                              "set fewer exclude_modules", key=f"{key}.exclude_modules")
     if head in chosen and getattr(config, "tie_word_embeddings", False):
         raise LoRAConfigError("an adapter on lm_head of a model with tied embeddings is not supported; "
-                              "set target_modules without lm_head", key=f"{KEY}.target_modules")
+                              "set target_modules without lm_head", key=f"{key}.target_modules")
 
 
-def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, seed: int):
+def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, seed: int, task_type: str | None = "CAUSAL_LM",
+               key: str = KEY):
     """Inject adapters into `model` in place and return the PeftModel around it (for
     `disable_adapter` and `save_pretrained`). Only adapter parameters require grad. lora_A is
     drawn from a generator seeded by `seed` alone, so every data-parallel rank starts from the
-    same adapters; lora_B starts at zero (the adapted model equals the base model at step 0)."""
+    same adapters; lora_B starts at zero (the adapted model equals the base model at step 0).
+    `task_type` and `key`: as in `peft_config` and `check_lora` (the value model passes None
+    and value.lora_cfg)."""
     from peft import get_peft_model
     from peft.tuners.lora import LoraLayer
 
-    check_lora(model, cfg)
-    peft_model = get_peft_model(model, peft_config(cfg))
+    check_lora(model, cfg, key)
+    peft_model = get_peft_model(model, peft_config(cfg, task_type))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, layer in sorted((n, m) for n, m in model.named_modules() if isinstance(m, LoraLayer)):
@@ -97,11 +102,12 @@ def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, seed: int):
     return peft_model
 
 
-def check_lora_for_model_path(model_path: str, cfg: LoRAConfig) -> None:
-    """`check_lora` on the real model's module tree, built on the meta device (no weights read)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def check_lora_for_model_path(model_path: str, cfg: LoRAConfig, key: str = KEY, backbone: bool = False) -> None:
+    """`check_lora` on the real model's module tree, built on the meta device (no weights read).
+    `backbone`: the model without its LM head (AutoModel), as the value model builds it."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    check_lora(model, cfg)
+        model = (AutoModel if backbone else AutoModelForCausalLM).from_config(config)
+    check_lora(model, cfg, key)

@@ -26,8 +26,10 @@ from grpo_train.policy.precision import DTYPES, MasterWeights
 from grpo_train.ppo.value_loss import value_loss_fn
 from grpo_train.state_io import load_state, save_state
 
-MASTERS_FILE = "master_weights.safetensors"  # fp32 masters of a mixed-precision run
+MASTERS_FILE = "master_weights.safetensors"  # fp32 masters of a mixed-precision run (always, under LoRA)
 HEAD_FILE = "value_head.safetensors"
+ADAPTER_DIR = "adapter"  # value.lora_cfg: the backbone's adapters in PEFT format
+LORA_KEY = "value.lora_cfg"
 
 
 class ValueModel(torch.nn.Module):
@@ -89,6 +91,13 @@ class ValueWorker:
         # fp32 masters, compute in value.precision: the policy's mixed precision (precision.py).
         self.model = ValueModel(model_path, torch.float32).to(self.device)
         self.model.train()
+        # value.lora_cfg: peft adapters injected into the backbone in place (its base weights frozen);
+        # the head is outside peft and trains in full. self.peft wraps the backbone for save_pretrained.
+        self.peft = None
+        if cfg.lora_cfg.enabled:
+            from grpo_train.policy.lora import apply_lora
+
+            self.peft = apply_lora(self.model.backbone, cfg.lora_cfg, seed, task_type=None, key=LORA_KEY)
         self.master = MasterWeights(self.model, DTYPES[cfg.precision])
         self.optimizer = build_optimizer(self.master.parameters(), cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.scheduler)
@@ -110,11 +119,16 @@ class ValueWorker:
 
     @torch.no_grad()
     def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """[B, S] V(x_<t) under the current weights, in inference micro-batches."""
+        """[B, S] V(x_<t) under the current weights, in inference micro-batches (eval mode: no
+        dropout, e.g. value.lora_cfg.dropout, in the rollout's values)."""
         out = torch.zeros(batch_size(batch), batch["input_ids"].shape[1])
-        for mb in self._plan(batch, "logprob"):
-            v = self._microbatch_values(batch, mb)  # [rows, W]
-            out[torch.tensor(mb.rows), : v.shape[1]] = v.cpu()
+        self.model.eval()
+        try:
+            for mb in self._plan(batch, "logprob"):
+                v = self._microbatch_values(batch, mb)  # [rows, W]
+                out[torch.tensor(mb.rows), : v.shape[1]] = v.cpu()
+        finally:
+            self.model.train()
         return out
 
     def train(self, batch: dict[str, torch.Tensor], global_valid_tokens: list[float] | None = None,
@@ -154,25 +168,57 @@ class ValueWorker:
         return sums | {"value_grad_norm": grad_norm, "value_lr": lr}
 
     # ------------------------------------------------------------------- weights and state
-    def save(self, folder: str) -> None:
+    def save(self, folder: str | Path) -> None:
         """Weights (HF backbone + head safetensors in the compute dtype, and the fp32 masters
-        when they differ), optimizer, scheduler, RNG. One rank saves."""
+        when they differ; under value.lora_cfg the trained parameters only: `_save_lora`),
+        optimizer, scheduler, RNG. One rank saves."""
         from safetensors.torch import save_file
 
         folder = Path(folder)
-        self.model.backbone.save_pretrained(folder / "model", safe_serialization=True)
-        save_file({k: v.contiguous() for k, v in self.model.head.state_dict().items()}, str(folder / "model" / HEAD_FILE))
-        if self.master.mixed:
-            save_file({k: v.contiguous() for k, v in self.master.state().items()}, str(folder / MASTERS_FILE))
+        if self.peft is not None:
+            self._save_lora(folder)
+        else:
+            self.model.backbone.save_pretrained(folder / "model", safe_serialization=True)
+            save_file({k: v.contiguous() for k, v in self.model.head.state_dict().items()},
+                      str(folder / "model" / HEAD_FILE))
+            if self.master.mixed:
+                save_file({k: v.contiguous() for k, v in self.master.state().items()}, str(folder / MASTERS_FILE))
         save_state(self.optimizer.state_dict(), folder, "optimizer")
         save_state(self.scheduler.state_dict(), folder, "scheduler")
         save_state(torch.get_rng_state(), folder, "torch_rng")
 
-    def load(self, folder: str) -> None:
+    def _save_lora(self, folder: Path) -> None:
+        """value.lora_cfg: the trained parameters only (the base backbone is the model path's):
+        their fp32 masters (`MASTERS_FILE`, what resume reads: adapters and head), the adapters in
+        PEFT format (`ADAPTER_DIR`, `PeftModel.from_pretrained(AutoModel..., folder/ADAPTER_DIR)`)
+        and the head in the compute dtype under model/."""
+        from safetensors.torch import save_file
+
+        assert self.peft is not None
+        masters = self.master.state()
+        save_file({k: v.contiguous() for k, v in masters.items()}, str(folder / MASTERS_FILE))
+        prefix = "backbone."  # PeftModel's names are the injected backbone's under base_model.model.
+        adapters = {f"base_model.model.{k[len(prefix):]}": v for k, v in masters.items() if k.startswith(prefix)}
+        self.peft.save_pretrained(str(folder / ADAPTER_DIR), safe_serialization=True, state_dict=adapters)
+        (folder / "model").mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in self.model.head.state_dict().items()}, str(folder / "model" / HEAD_FILE))
+
+    def load(self, folder: str | Path) -> None:
         """What `save` wrote; every rank loads the same files."""
         from safetensors.torch import load_file
 
         folder = Path(folder)
+        if self.peft is not None:
+            if not (folder / ADAPTER_DIR).is_dir():
+                raise RuntimeError(f"value checkpoint {folder} has no {ADAPTER_DIR}/ but {LORA_KEY}.enabled is true: "
+                                   "it was saved without LoRA")
+            error = self.master.load(load_file(folder / MASTERS_FILE))
+            if error:
+                raise RuntimeError(f"value checkpoint {folder} does not match the model: {error}")
+            self._load_state(folder)
+            return
+        if (folder / ADAPTER_DIR).is_dir():
+            raise RuntimeError(f"value checkpoint {folder} holds LoRA adapters but {LORA_KEY}.enabled is false")
         backbone = {}
         for shard in sorted((folder / "model").glob("*.safetensors")):
             if shard.name != HEAD_FILE:
@@ -186,6 +232,10 @@ class ValueWorker:
                                      | {f"head.{k}": v for k, v in self.model.head.state_dict().items()})
         if error:
             raise RuntimeError(f"value checkpoint {folder} does not match the model: {error}")
+        self._load_state(folder)
+
+    def _load_state(self, folder: Path) -> None:
+
         self.optimizer.load_state_dict(load_state(folder, "optimizer"))
         self.scheduler.load_state_dict(load_state(folder, "scheduler"))
         apply_optimizer_config(self.optimizer, self.scheduler, self.cfg.optimizer)

@@ -7,7 +7,13 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from grpo_train.config.schema.base import Section
-from grpo_train.config.schema.policy import MicroBatchingConfig, OptimizerConfig, SchedulerEntry, SequencePackingConfig
+from grpo_train.config.schema.policy import (
+    LoRAConfig,
+    MicroBatchingConfig,
+    OptimizerConfig,
+    SchedulerEntry,
+    SequencePackingConfig,
+)
 
 GROUP_RELATIVE_ESTIMATORS = ("grpo", "rloo", "grpo_passk", "reinforce_plus_plus", "opo", "remax")
 """Estimators whose baseline is the prompt's group of samples: they belong to GRPO, not PPO."""
@@ -86,6 +92,18 @@ class ValueConfig(Section):
     """As policy.sequence_packing; logprob_mb_tokens budgets the rollout-time values pass."""
     optimizer: OptimizerConfig = OptimizerConfig(kwargs={"lr": 1e-5, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8})
     scheduler: list[SchedulerEntry] = []
+    lora_cfg: LoRAConfig = LoRAConfig()
+    """LoRA adapters (peft) on the value model's backbone, keys as policy.dtensor_cfg.lora_cfg: only the
+    adapters and the value head (trained in full) get gradients and optimizer state. `refit` does not
+    apply (the value model is never pushed to an engine) and is refused when set."""
+
+    @field_validator("lora_cfg")
+    @classmethod
+    def _value_lora_has_no_refit(cls, value: LoRAConfig) -> LoRAConfig:
+        if "refit" in value.model_fields_set:
+            raise ValueError("value.lora_cfg.refit: the value model is never pushed to a generation engine; "
+                             "set it only under policy.dtensor_cfg.lora_cfg")
+        return value
 
     @model_validator(mode="before")
     @classmethod
