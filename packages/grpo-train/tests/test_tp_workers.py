@@ -58,12 +58,10 @@ def assert_close_rel(got: dict, want: dict, what: str) -> None:
         assert diff <= RTOL * float(want[name].norm()) + ATOL, (what, name, diff, float(want[name].norm()))
 
 
-def check_resume(single, group, saved: str) -> None:
+def check_resume(single, group, saved: str, batch: dict) -> None:
     """Resume from the TP group's checkpoint (full weights, SGD momentum, scheduler, RNG, written by rank 0
     in the unsharded format): into the same TP group, the next step repeats bitwise (logprobs, metrics,
     updated weights); into one unsharded worker (another layout), it agrees within 1e-5 relative."""
-    batch = make_batch(6, seed=1)
-
     def step(group_or_worker, lp):
         return group_or_worker({**batch, "prev_logprobs": lp[0], "ref_logprobs": lp[1]})
 
@@ -113,7 +111,7 @@ def test_tp2_ranks_match_one_worker(policy_batch, ray_session, tiny_qwen2_dir, t
         saved = load_file(Path(tmp_path / "saved" / "model" / "model.safetensors"))
         assert_close_rel(saved, w1, "checkpoint (unsharded HF format)")
         if not sp:  # one case suffices: SP and packing change activations, not the parameters' or checkpoint's layout
-            check_resume(single, group, str(tmp_path / "saved"))
+            check_resume(single, group, str(tmp_path / "saved"), policy_batch(6, seed=1))
     finally:
         group.close()
 
