@@ -50,6 +50,7 @@ TABLE = {
     "grpo.num_generations_per_prompt": R("grpo_train/rollout/dynamic_sampling.py"),
     "grpo.max_rollout_turns": T("tests/test_e2e_grpo.py::test_multi_turn_training_run"),
     "grpo.per_sample_turns": T("packages/grpo-train/tests/test_tool_rollout.py::test_finished_samples_do_not_wait_for_a_slow_tool"),
+    "grpo.invalid_tool_call_advantage": T("packages/grpo-train/tests/test_tool_rollout.py::test_invalid_tool_calls_take_the_configured_advantage_on_their_turn_only"),
     "grpo.max_num_epochs": R("grpo_train/step.py"),
     "grpo.max_num_steps": R("grpo_train/step.py"),
     "grpo.normalize_rewards": T("packages/grpo-train/tests/test_advantages.py::test_leave_one_out_without_normalisation"),
