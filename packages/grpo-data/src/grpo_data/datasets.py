@@ -131,6 +131,8 @@ class ProcessedDataset(Dataset):
         if self.env_name and not row.get("env_name"):
             datum.env_name = self.env_name
         datum.dataset_name = self.name
+        if datum.chat_template_kwargs is None and self.processor_kwargs.get("chat_template_kwargs"):
+            datum.chat_template_kwargs = dict(self.processor_kwargs["chat_template_kwargs"])
         if datum.truncated:
             self.num_truncated += 1
             if self.num_truncated == 1:
