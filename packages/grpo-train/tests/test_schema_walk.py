@@ -111,7 +111,7 @@ TABLE = {
     "loss_fn.positive_example_nll_weight": T("packages/grpo-train/tests/test_policy_worker.py::test_loss_fn_keys_change_the_training_loss"),
     "policy.model_name": T("tests/test_e2e_grpo.py::test_missing_local_model_fails_at_startup_with_one_line"),
     "policy.tokenizer.name": R("grpo_train/setup.py"),
-    "policy.tokenizer.chat_template_kwargs": T("packages/grpo-data/tests/test_processors.py::test_math_passes_chat_template_kwargs"),
+    "policy.tokenizer.chat_template_kwargs": T("packages/grpo-train/tests/test_tool_rollout.py::test_processed_datums_carry_the_tokenizers_and_their_entrys_chat_template_kwargs"),
     "policy.train_global_batch_size": R("grpo_train/ppo/ppo_step.py"),
     "policy.train_micro_batch_size": R("grpo_train/policy/microbatch.py"),
     "policy.generation_batch_size": T("packages/grpo-train/tests/test_schema_walk.py::test_generation_batch_size_submits_prompts_in_chunks"),

@@ -336,12 +336,28 @@ def test_chat_template_kwargs_reach_every_tool_render_and_the_drift_reference(po
         assert result.env_metrics["rollout/chat_drift_samples"] == 0
 
 
-def test_processed_datums_carry_their_entrys_chat_template_kwargs():
-    from grpo_data.datasets import build_dataset
+def test_processed_datums_carry_the_tokenizers_and_their_entrys_chat_template_kwargs():
+    """policy.tokenizer.chat_template_kwargs reach every dataset (under an entry's own): the prompt
+    render of a processor that renders the template, and the datum, for the tool renders after it;
+    a processor without a template (plain) carries them without being refused."""
+    from grpo_train.setup import build_datasets
 
-    tok = char_tokenizer()
-    entry = {"dataset_name": "arithmetic", "size": 2, "seed": 1, "digits": 2, "processor": "math",
-             "env_name": "calculator"}
-    with_kwargs = build_dataset(entry | {"chat_template_kwargs": {"enable_thinking": False}}, tok)
-    assert [d.chat_template_kwargs for d in with_kwargs] == [{"enable_thinking": False}] * 2
-    assert build_dataset(entry, tok)[0].chat_template_kwargs is None
+    tok = make_char_tokenizer(TOOL_TEMPLATE.replace("{{ CUT }}", "{{ m.content }}").replace(
+        "{%- if add_generation_prompt %}<|assistant|>", "{%- if add_generation_prompt %}<|assistant|>" + THINK))
+    entry = {"dataset_name": "arithmetic", "size": 2, "seed": 1, "digits": 2, "processor": "math", "env_name": "math"}
+
+    def datums(tokenizer_kwargs, **extra):
+        cfg = validate_config_dict({"policy": {"tokenizer": {"chat_template_kwargs": tokenizer_kwargs}},
+                                    "data": {"train": entry | extra, "validation": None}})
+        (train,), _ = build_datasets(cfg, tok)
+        return [train[i] for i in range(len(train))]
+
+    off = datums({"enable_thinking": False, "x": 1})
+    assert [d.chat_template_kwargs for d in off] == [{"enable_thinking": False, "x": 1}] * 2
+    assert all(tok.decode(d.token_ids.tolist()).endswith("<|assistant|><think></think>") for d in off)
+    on = datums({"enable_thinking": False, "x": 1}, chat_template_kwargs={"enable_thinking": True})
+    assert [d.chat_template_kwargs for d in on] == [{"enable_thinking": True, "x": 1}] * 2
+    assert all(tok.decode(d.token_ids.tolist()).endswith("<|assistant|>") for d in on)
+    assert datums(None)[0].chat_template_kwargs is None
+    plain = datums({"enable_thinking": False}, processor="plain")
+    assert plain[0].chat_template_kwargs == {"enable_thinking": False}
