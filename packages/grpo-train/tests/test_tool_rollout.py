@@ -361,3 +361,22 @@ def test_processed_datums_carry_the_tokenizers_and_their_entrys_chat_template_kw
     assert datums(None)[0].chat_template_kwargs is None
     plain = datums({"enable_thinking": False}, processor="plain")
     assert plain[0].chat_template_kwargs == {"enable_thinking": False}
+
+
+def test_a_templated_processors_prompt_is_rendered_once_with_tools(policy):
+    """The math processor renders the prompt through the chat template; the tool render starts
+    again from the messages' own text, not from the rendered pieces (which would wrap the user
+    turn twice), and the environment sees the question as written."""
+    from grpo_data.datasets import build_dataset
+
+    tok = char_tokenizer()
+    (d,) = build_dataset({"dataset_name": "arithmetic", "size": 1, "seed": 1, "digits": 2, "processor": "math",
+                          "env_name": "calculator"}, tok)
+    question = d.message_log[-1]["raw_content"]
+    assert tok.decode(d.token_ids.tolist()) == f"<|user|>{question}<|end|><|assistant|>"
+    envs = {"calculator": EnvPool("calculator", {}, in_process=True)}
+    gen = policy(tok, {question: "The answer is 1"})
+    (r,) = multi_turn_rollout(gen, envs, [d], SamplingSpec(max_new_tokens=200), tok, max_turns=2,
+                              max_total_len=2000).rollouts
+    tools_json = json.dumps(envs["calculator"].tools()[0])
+    assert r.prompt_ids == ids(tok, f"<|system|>Tools:\n{tools_json}\n<|end|><|user|>{question}<|end|><|assistant|>")

@@ -115,7 +115,9 @@ class _TurnRunner:
         for p, d in enumerate(datums):
             pool = self.envs.get(d.env_name)
             tools = list(pool.tools()) if pool is not None and hasattr(pool, "tools") else []
-            messages = prompt_messages(d)
+            # With tools, the prompt is rendered again from the messages' own text (not the pieces
+            # a processor rendered), and the conversation goes on from those messages.
+            messages = prompt_messages(d, raw=bool(tools))
             ids = d.token_ids.tolist()
             if tools:
                 ids = self.chat(d).prompt_ids(messages, tools)
