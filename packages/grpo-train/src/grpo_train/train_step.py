@@ -95,7 +95,7 @@ def replace_invalid_call_advantages(batch: dict[str, torch.Tensor], rollouts: li
     """grpo.invalid_tool_call_advantage: the generated tokens of turns with invalid tool calls
     (`Rollout.invalid_call_mask`) take `value` as their advantage; returns how many tokens did."""
     adv = batch["advantages"]
-    invalid = invalid_call_token_mask(rollouts, tuple(adv.shape)) & (batch["token_mask"] > 0)
+    invalid = invalid_call_token_mask(rollouts, (adv.shape[0], adv.shape[1])) & (batch["token_mask"] > 0)
     batch["advantages"] = torch.where(invalid, torch.full_like(adv, value), adv)
     return float(invalid.sum())
 
