@@ -23,6 +23,9 @@ SHORT = [
     "grpo.max_val_samples=32",
     "grpo.val_at_start=false",
 ]
+# Multi-turn: arithmetic prompts routed to the number-guessing environment, up to 3 turns.
+MULTI_TURN = ["grpo.max_rollout_turns=3", "data.train.env_name=number_guess", "+env.number_guess.num_workers=1",
+              "+env.number_guess.max_turns=3"]
 # Wall-clock measurements differ between runs; everything else must match exactly.
 NONDETERMINISTIC = ("timing/", "tokens_per_s")
 
@@ -83,13 +86,22 @@ def test_short_run_writes_metrics_plot_logs_and_checkpoints(tmp_path):
 def test_kill_and_resume_gives_bitwise_equal_weights_and_metrics(tmp_path):
     """In bf16 mixed precision (trainer and engine bf16; fp32 masters and AdamW state), the stricter
     case: the resumed run must restore the fp32 masters, not re-widen the bf16 export, to stay
-    bitwise. (fp32 resume is the same code with the masters being the model: test_checkpoint.py.)"""
+    bitwise. (fp32 resume is the same code with the masters being the model: test_checkpoint.py.)
+
+    Multi-turn (#21): the rollout is the lockstep multi-turn one (number guessing, up to 3 turns),
+    so the kill lands inside a step's conversations; the resumed step restarts them from the
+    checkpoint's step boundary. Conversation state lives in the driver's rollout, never in the env
+    actors (packages/grpo-envs/tests/test_tool_env.py::test_env_actors_carry_no_episode_state shows the
+    envs are stateless), so a fresh process repeats the turns exactly: the same env metrics, turns
+    and rewards per step. (The single-turn rollout is the first turn of this one; the async and
+    PPO kill-and-resume tests keep single-turn runs.)"""
     from safetensors.torch import load_file
 
     common = [*SHORT, "grpo.max_num_steps=6", "grpo.val_period=0", "grpo.val_at_end=false",
               "checkpointing.save_period=3", "checkpointing.keep_top_k=null", "logger.wandb_enabled=false",
               "logger.tensorboard_enabled=false", "logger.plot_enabled=false",
-              "policy.precision=bfloat16", "policy.generation.vllm_cfg.precision=bfloat16"]
+              "policy.precision=bfloat16", "policy.generation.vllm_cfg.precision=bfloat16",
+              *MULTI_TURN]
     # The uninterrupted run and the one to be killed start side by side (start-up is mostly waiting).
     straight = tmp_path / "straight"
     uninterrupted = subprocess.Popen(grpo_cmd("train", "--run-dir", str(straight), *common), cwd=tmp_path,
@@ -122,6 +134,9 @@ def test_kill_and_resume_gives_bitwise_equal_weights_and_metrics(tmp_path):
     rows_a, rows_b = deterministic(read_metrics(straight)), deterministic(read_metrics(resumed))
     assert [r["step"] for r in rows_b] == [1, 2, 3, 4, 5, 6]
     assert rows_a == rows_b
+    # The runs were multi-turn: wrong first guesses got further turns, scored by the env.
+    assert all(1.0 < r["turns_mean"] <= 3.0 for r in rows_b)
+    assert all("env/number_guess/solved" in r for r in rows_b)
 
 
 def test_missing_local_model_fails_at_startup_with_one_line(tmp_path):
@@ -147,8 +162,7 @@ def test_multi_turn_training_run(tmp_path):
     run_dir = tmp_path / "run"
     result = run_grpo(
         "train", "--run-dir", str(run_dir), *SHORT, "grpo.max_num_steps=2", "grpo.val_period=0",
-        "grpo.val_at_end=false", "grpo.max_rollout_turns=3", "data.train.env_name=number_guess",
-        "+env.number_guess.num_workers=1", "+env.number_guess.max_turns=3", "checkpointing.enabled=false",
+        "grpo.val_at_end=false", *MULTI_TURN, "checkpointing.enabled=false",
         "logger.wandb_enabled=false", "logger.tensorboard_enabled=false", "logger.plot_enabled=false", cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-4000:]
