@@ -23,6 +23,9 @@ SHORT = [
     "grpo.max_val_samples=32",
     "grpo.val_at_start=false",
 ]
+# Multi-turn: arithmetic prompts routed to the number-guessing environment, up to 3 turns.
+MULTI_TURN = ["grpo.max_rollout_turns=3", "data.train.env_name=number_guess", "+env.number_guess.num_workers=1",
+              "+env.number_guess.max_turns=3"]
 # Wall-clock measurements differ between runs; everything else must match exactly.
 NONDETERMINISTIC = ("timing/", "tokens_per_s")
 
@@ -81,20 +84,27 @@ def test_short_run_writes_metrics_plot_logs_and_checkpoints(tmp_path):
 
 @pytest.mark.slow
 def test_kill_and_resume_gives_bitwise_equal_weights_and_metrics(tmp_path):
-    """In LoRA mode (policy.dtensor_cfg.lora_cfg, merged refit) and bf16 mixed precision (trainer and
-    engine bf16; fp32 masters and AdamW state of the adapters), the stricter case: the resumed run
-    must restore the adapters' fp32 masters, not re-widen a bf16 export, to stay bitwise, and the
-    PEFT adapters, the merged bf16 export and every metric must match the uninterrupted run's.
-    (Full-weight bf16 resume is the same MasterWeights code over every parameter:
-    test_precision.py; fp32 resume, the masters being the model: test_checkpoint.py; full-weight
-    kill-and-resume through `grpo train`: test_e2e_ppo.py and test_e2e_async.py.)"""
+    """In LoRA mode (policy.dtensor_cfg.lora_cfg, merged refit), bf16 mixed precision (trainer and
+    engine bf16; fp32 masters and AdamW state of the adapters) and a multi-turn rollout, the
+    strictest case: the resumed run must restore the adapters' fp32 masters, not re-widen a bf16
+    export, to stay bitwise, and the PEFT adapters, the merged bf16 export and every metric must
+    match the uninterrupted run's. (Full-weight bf16 resume is the same MasterWeights code over every
+    parameter: test_precision.py; fp32 resume, the masters being the model: test_checkpoint.py;
+    full-weight single-turn kill-and-resume through `grpo train`: test_e2e_ppo.py and test_e2e_async.py.)
+
+    Multi-turn (#21): the rollout is the lockstep multi-turn one (number guessing, up to 3 turns),
+    so the kill lands inside a step's conversations; the resumed step restarts them from the
+    checkpoint's step boundary. Conversation state lives in the driver's rollout, never in the env
+    actors (packages/grpo-envs/tests/test_tool_env.py::test_env_actors_carry_no_episode_state shows the
+    envs are stateless), so a fresh process repeats the turns exactly: the same env metrics, turns
+    and rewards per step."""
     from safetensors.torch import load_file
 
     common = [*SHORT, "grpo.max_num_steps=6", "grpo.val_period=0", "grpo.val_at_end=false",
               "checkpointing.save_period=3", "checkpointing.keep_top_k=null", "logger.wandb_enabled=false",
               "logger.tensorboard_enabled=false", "logger.plot_enabled=false",
               "policy.precision=bfloat16", "policy.generation.vllm_cfg.precision=bfloat16",
-              "policy.dtensor_cfg.lora_cfg.enabled=true", "policy.optimizer.kwargs.lr=1e-4"]
+              "policy.dtensor_cfg.lora_cfg.enabled=true", "policy.optimizer.kwargs.lr=1e-4", *MULTI_TURN]
     # The uninterrupted run and the one to be killed start side by side (start-up is mostly waiting).
     straight = tmp_path / "straight"
     uninterrupted = subprocess.Popen(grpo_cmd("train", "--run-dir", str(straight), *common), cwd=tmp_path,
@@ -145,6 +155,9 @@ def test_kill_and_resume_gives_bitwise_equal_weights_and_metrics(tmp_path):
     rows_a, rows_b = deterministic(read_metrics(straight)), deterministic(read_metrics(resumed))
     assert [r["step"] for r in rows_b] == [1, 2, 3, 4, 5, 6]
     assert rows_a == rows_b
+    # The runs were multi-turn: wrong first guesses got further turns, scored by the env.
+    assert all(1.0 < r["turns_mean"] <= 3.0 for r in rows_b)
+    assert all("env/number_guess/solved" in r for r in rows_b)
 
 
 def test_missing_local_model_fails_at_startup_with_one_line(tmp_path):
@@ -170,8 +183,7 @@ def test_multi_turn_training_run(tmp_path):
     run_dir = tmp_path / "run"
     result = run_grpo(
         "train", "--run-dir", str(run_dir), *SHORT, "grpo.max_num_steps=2", "grpo.val_period=0",
-        "grpo.val_at_end=false", "grpo.max_rollout_turns=3", "data.train.env_name=number_guess",
-        "+env.number_guess.num_workers=1", "+env.number_guess.max_turns=3", "checkpointing.enabled=false",
+        "grpo.val_at_end=false", *MULTI_TURN, "checkpointing.enabled=false",
         "logger.wandb_enabled=false", "logger.tensorboard_enabled=false", "logger.plot_enabled=false", cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-4000:]

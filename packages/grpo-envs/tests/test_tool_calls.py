@@ -30,6 +30,15 @@ def test_hermes_malformed_calls_are_errors_in_order():
     # Deeply nested junk does not raise (RecursionError is caught).
     (deep,) = parse_hermes("<tool_call>" + "[" * 100_000 + "</tool_call>")
     assert isinstance(deep, ToolCallError) and deep.kind == "invalid_json" and len(deep.raw) < 300
+    # A number past Python's int digit limit (4300) raises ValueError, not JSONDecodeError, from
+    # json.loads: it too is an invalid call, in the call and in a JSON-string argument, in both formats.
+    huge = "9" * 5000
+    (big,) = parse_hermes('<tool_call>{"name": "add", "arguments": {"a": %s}}</tool_call>' % huge)
+    assert isinstance(big, ToolCallError) and big.kind == "invalid_json" and "digits" in big.message
+    (big_str,) = parse_hermes('<tool_call>{"name": "add", "arguments": "{\\"a\\": %s}"}</tool_call>' % huge)
+    assert isinstance(big_str, ToolCallError) and big_str.kind == "bad_shape"
+    (big_llama,) = parse_llama3('{"name": "add", "parameters": {"a": %s}}' % huge)
+    assert isinstance(big_llama, ToolCallError) and big_llama.kind == "invalid_json"
 
 
 def test_calls_split_across_stop_strings():

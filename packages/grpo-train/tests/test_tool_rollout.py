@@ -262,3 +262,121 @@ def test_validate_runs_the_multi_turn_rollout_with_accuracy_and_pass_at_k(policy
     # Two samples per prompt: one solves it with the tool, one guesses wrong: accuracy 1/2, pass@2 1.
     metrics, _ = validate(gen, envs, datums, spec, 2, 1, max_turns=3, tokenizer=tok, max_total_len=2000)
     assert metrics["accuracy"] == 0.5 and metrics["pass@2"] == 1.0 and metrics["turns_mean"] == 1.5
+
+
+def test_invalid_tool_calls_take_the_configured_advantage_on_their_turn_only(policy):
+    """grpo.invalid_tool_call_advantage through the rollout and the step's advantages: turn 1 calls
+    an unknown tool (the env counts an invalid call), turn 2 calls the calculator right, turn 3
+    answers. Both samples solve it (no reward spread: the estimator's advantage is 0), so the only
+    signal is the value on turn 1's tokens."""
+    from grpo_train.train_step import add_advantages, prepare_batch
+
+    tok = char_tokenizer()
+    question = f"{A}+{B}="
+    bad = '<tool_call>{"name": "calc", "arguments": {}}</tool_call>'
+    envs = {"calculator": EnvPool("calculator", {"max_turns": 3}, in_process=True)}
+    gen = policy(tok, {question: "Oops." + bad + "|Now." + CALL + "|"})
+    cfg = validate_config_dict({"grpo": {"max_rollout_turns": 3, "invalid_tool_call_advantage": -5.0,
+                                         "num_prompts_per_step": 1, "num_generations_per_prompt": 2},
+                                "policy": {"max_total_sequence_length": 2000, "train_global_batch_size": 2,
+                                           "train_micro_batch_size": 1}})
+    parts = SimpleNamespace(generator=gen, envs=envs, tokenizer=tok)
+    result = rollout_batch(cfg, parts, [datum(tok, question, "calculator")],
+                           SamplingSpec(max_new_tokens=200, n=2, stop_strings=(STOP,)))
+    turn_1 = len(ids(tok, "Oops." + bad))
+    for r in result.rollouts:
+        assert r.turns == 3 and r.reward == 1.0
+        assert r.invalid_call_mask == [1] * turn_1 + [0] * (len(r.response_ids) - turn_1)
+        assert r.response_mask[:turn_1] == [1] * turn_1
+    assert result.env_metrics["env/calculator/invalid_tool_calls"] == 2
+    batch, _ = prepare_batch(cfg, result.rollouts, pad_id=0)
+    batch["prev_logprobs"] = batch["gen_logprobs"].clone()
+    metrics = add_advantages(cfg, result.rollouts, batch)
+    p = len(result.rollouts[0].prompt_ids)
+    expected = torch.zeros_like(batch["advantages"])
+    expected[:, p : p + turn_1] = -5.0
+    torch.testing.assert_close(batch["advantages"], expected)
+    assert metrics["invalid_tool_call_tokens"] == 2 * turn_1
+
+
+# Qwen3-style: with enable_thinking false, every assistant turn (and the generation prompt) opens
+# with an empty think block.
+THINK = "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+
+
+def test_chat_template_kwargs_reach_every_tool_render_and_the_drift_reference(policy):
+    """The dataset entry's chat_template_kwargs (carried on the datum) reach the prompt's render
+    with tools, the tool messages' render between turns and the fresh render drift is measured
+    against; a datum without them renders without."""
+    template = TOOL_TEMPLATE.replace("<|assistant|>{{ CUT }}", "<|assistant|>" + THINK + "{{ m.content }}").replace(
+        "{%- if add_generation_prompt %}<|assistant|>", "{%- if add_generation_prompt %}<|assistant|>" + THINK)
+    tok = make_char_tokenizer(template)
+    question = f"{A}+{B}="
+    envs = {"calculator": EnvPool("calculator", {"stop_after_call": True, "max_turns": 3}, in_process=True)}
+    gen = policy(tok, {question: "Use the tool." + CALL + "|"})
+    sampling = SamplingSpec(max_new_tokens=200, n=1, stop_strings=(STOP,))
+    tools_json = json.dumps(envs["calculator"].tools()[0])
+    for kwargs, think in (({"enable_thinking": False}, "<think></think>"), (None, "")):
+        d = datum(tok, question, "calculator")
+        d.chat_template_kwargs = kwargs
+        result = multi_turn_rollout(gen, envs, [d], sampling, tok, max_turns=3, max_total_len=2000)
+        (r,) = result.rollouts
+        prompt = f"<|system|>Tools:\n{tools_json}\n<|end|><|user|>{question}<|end|><|assistant|>{think}"
+        added = f"<|end|><|user|><tool_response>\n{GOLD}\n</tool_response><|end|><|assistant|>{think}"
+        assert r.prompt_ids == ids(tok, prompt)
+        assert r.response_ids == ids(tok, "Use the tool." + CALL + added + f"The answer is {GOLD}<|end|>")
+        assert r.reward == 1.0
+        fresh = tok.apply_chat_template(
+            [{"role": "user", "content": question}, {"role": "assistant", "content": "Use the tool." + CALL},
+             {"role": "tool", "name": "calculator", "content": GOLD},
+             {"role": "assistant", "content": f"The answer is {GOLD}"}], tools=envs["calculator"].tools(),
+            return_dict=False, **(kwargs or {}))
+        assert r.prompt_ids + r.response_ids == fresh
+        # The drift reference is rendered with them too (without them it would part at the first think block).
+        assert result.env_metrics["rollout/chat_drift_samples"] == 0
+
+
+def test_processed_datums_carry_the_tokenizers_and_their_entrys_chat_template_kwargs():
+    """policy.tokenizer.chat_template_kwargs reach every dataset (under an entry's own): the prompt
+    render of a processor that renders the template, and the datum, for the tool renders after it;
+    a processor without a template (plain) carries them without being refused."""
+    from grpo_train.setup import build_datasets
+
+    tok = make_char_tokenizer(TOOL_TEMPLATE.replace("{{ CUT }}", "{{ m.content }}").replace(
+        "{%- if add_generation_prompt %}<|assistant|>", "{%- if add_generation_prompt %}<|assistant|>" + THINK))
+    entry = {"dataset_name": "arithmetic", "size": 2, "seed": 1, "digits": 2, "processor": "math", "env_name": "math"}
+
+    def datums(tokenizer_kwargs, **extra):
+        cfg = validate_config_dict({"policy": {"tokenizer": {"chat_template_kwargs": tokenizer_kwargs}},
+                                    "data": {"train": entry | extra, "validation": None}})
+        (train,), _ = build_datasets(cfg, tok)
+        return [train[i] for i in range(len(train))]
+
+    off = datums({"enable_thinking": False, "x": 1})
+    assert [d.chat_template_kwargs for d in off] == [{"enable_thinking": False, "x": 1}] * 2
+    assert all(tok.decode(d.token_ids.tolist()).endswith("<|assistant|><think></think>") for d in off)
+    on = datums({"enable_thinking": False, "x": 1}, chat_template_kwargs={"enable_thinking": True})
+    assert [d.chat_template_kwargs for d in on] == [{"enable_thinking": True, "x": 1}] * 2
+    assert all(tok.decode(d.token_ids.tolist()).endswith("<|assistant|>") for d in on)
+    assert datums(None)[0].chat_template_kwargs is None
+    plain = datums({"enable_thinking": False}, processor="plain")
+    assert plain[0].chat_template_kwargs == {"enable_thinking": False}
+
+
+def test_a_templated_processors_prompt_is_rendered_once_with_tools(policy):
+    """The math processor renders the prompt through the chat template; the tool render starts
+    again from the messages' own text, not from the rendered pieces (which would wrap the user
+    turn twice), and the environment sees the question as written."""
+    from grpo_data.datasets import build_dataset
+
+    tok = char_tokenizer()
+    (d,) = build_dataset({"dataset_name": "arithmetic", "size": 1, "seed": 1, "digits": 2, "processor": "math",
+                          "env_name": "calculator"}, tok)
+    question = d.message_log[-1]["raw_content"]
+    assert tok.decode(d.token_ids.tolist()) == f"<|user|>{question}<|end|><|assistant|>"
+    envs = {"calculator": EnvPool("calculator", {}, in_process=True)}
+    gen = policy(tok, {question: "The answer is 1"})
+    (r,) = multi_turn_rollout(gen, envs, [d], SamplingSpec(max_new_tokens=200), tok, max_turns=2,
+                              max_total_len=2000).rollouts
+    tools_json = json.dumps(envs["calculator"].tools()[0])
+    assert r.prompt_ids == ids(tok, f"<|system|>Tools:\n{tools_json}\n<|end|><|user|>{question}<|end|><|assistant|>")

@@ -200,3 +200,40 @@ def test_advantages_without_prev_leave_the_logprob_error_metric_to_the_train_cal
     metrics = add_advantages(c, rollouts, batch)
     assert "max_seq_mult_prob_error" not in metrics
     assert torch.equal(batch["advantages"][:, 2:] != 0, batch["token_mask"][:, 2:] > 0)
+
+
+def test_invalid_tool_call_advantage_replaces_the_advantage_of_the_bad_turns_tokens():
+    """NeMo RL's grpo.invalid_tool_call_advantage: the tokens of a turn with invalid tool calls take
+    the value in place of the estimator's advantage, after clipping; the sample's other turns, its
+    observation tokens and the other samples keep theirs."""
+    c = cfg(group=2, grpo={"max_rollout_turns": 3, "invalid_tool_call_advantage": -5.0, "normalize_rewards": False,
+                           "use_leave_one_out_baseline": False, "advantage_clip_low": -1.0})
+    # Row 0: turn 1 (2 tokens, its calls invalid), an observation token, turn 2 (1 token). Row 1 marks
+    # only an observation token, which is not trained on either way.
+    rows = [Rollout(prompt_index=0, prompt_ids=[5, 6], response_ids=[7, 8, 9, 10], gen_logprobs=[-0.5, -0.5, 0.0, -0.5],
+                    text="", truncated=False, reward=r, response_mask=[1, 1, 0, 1], turns=2, invalid_call_mask=m)
+            for r, m in ((1.0, [1, 1, 0, 0]), (0.0, [0, 0, 1, 0]))]
+    batch, _ = prepare_batch(c, rows, pad_id=0)
+    metrics = add_advantages(c, rows, with_logprobs(batch))
+    # Rewards 1 and 0, mean 0.5: advantages +0.5 and -0.5 on the trained tokens (positions 2, 3, 5).
+    torch.testing.assert_close(batch["advantages"], torch.tensor([[0.0, 0.0, -5.0, -5.0, 0.0, 0.5],
+                                                                  [0.0, 0.0, -0.5, -0.5, 0.0, -0.5]]))
+    assert metrics["invalid_tool_call_tokens"] == 2.0
+    assert metrics["advantage_abs_mean"] == pytest.approx((5 + 5 + 0.5 + 0.5 * 3) / 6)
+    # Off (the default): the estimator's advantages are untouched.
+    plain = cfg(group=2, grpo={"max_rollout_turns": 3, "normalize_rewards": False, "use_leave_one_out_baseline": False})
+    batch, _ = prepare_batch(plain, rows, pad_id=0)
+    assert "invalid_tool_call_tokens" not in add_advantages(plain, rows, with_logprobs(batch))
+    assert batch["advantages"][0].tolist() == [0.0, 0.0, 0.5, 0.5, 0.0, 0.5]
+
+
+@pytest.mark.parametrize("sections, words", [
+    ({"grpo": {"invalid_tool_call_advantage": -1.0}}, "needs grpo.max_rollout_turns > 1"),
+    ({"grpo": {"invalid_tool_call_advantage": -1.0, "max_rollout_turns": 2}, "ppo": {}}, "PPO's come from GAE"),
+])
+def test_invalid_tool_call_advantage_is_refused_where_it_would_do_nothing(sections, words):
+    from grpo_train.config import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        cfg(group=2, **sections)
+    assert words in str(info.value) and "grpo.invalid_tool_call_advantage" in str(info.value)

@@ -22,6 +22,7 @@ Rows carved off a training set by `split_validation_size` join the validation li
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -81,6 +82,7 @@ class ProcessedDataset(Dataset):
         name: str | None = None,
         bad_rows: BadRows | None = None,
         preprocess: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         if len(rows_dataset) == 0:
             raise DataError(f"the dataset is empty: {getattr(rows_dataset, 'source', type(rows_dataset).__name__)}")
@@ -89,6 +91,11 @@ class ProcessedDataset(Dataset):
         self.processor = get_processor(processor)
         self.processor_kwargs = dict(processor_kwargs or {})
         check_processor_options(self.processor, self.processor_kwargs, self.processor_name)
+        # Carried on every datum for the renders after the prompt's (tools, tool messages), even
+        # where the processor itself renders no template.
+        kwargs = chat_template_kwargs if chat_template_kwargs is not None else self.processor_kwargs.get(
+            "chat_template_kwargs")
+        self.chat_template_kwargs = dict(kwargs) if kwargs else None
         self.task_spec = task_spec
         self.tokenizer = tokenizer
         self.max_seq_length = max_seq_length
@@ -131,6 +138,8 @@ class ProcessedDataset(Dataset):
         if self.env_name and not row.get("env_name"):
             datum.env_name = self.env_name
         datum.dataset_name = self.name
+        if datum.chat_template_kwargs is None and self.chat_template_kwargs:
+            datum.chat_template_kwargs = dict(self.chat_template_kwargs)
         if datum.truncated:
             self.num_truncated += 1
             if self.num_truncated == 1:
@@ -271,12 +280,14 @@ def _load_rows(cfg: DatasetEntry, kind: str, where: str, bad_rows: BadRows):
 
 
 def build_dataset_parts(
-    cfg: Mapping[str, Any], tokenizer, *, where: str = "data", bad_rows: str = DEFAULT_POLICY
+    cfg: Mapping[str, Any], tokenizer, *, where: str = "data", bad_rows: str = DEFAULT_POLICY,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> tuple[ProcessedDataset, ProcessedDataset | None]:
     """(main, validation) processed datasets of one entry; validation only if rows were carved
     off (`split_validation_size`) or `val_data_path` was given. `bad_rows` is the policy for rows
     that cannot be used ("refuse" or "skip", see grpo_data.bad_rows); the skipped ones are
-    counted in `num_skipped` and logged in one line."""
+    counted in `num_skipped` and logged in one line. `chat_template_kwargs`: the tokenizer's
+    (policy.tokenizer.chat_template_kwargs), under the entry's own."""
     if not isinstance(cfg, Mapping):
         raise DataError(f"{where}: expected a mapping of dataset keys, got {type(cfg).__name__}")
     raw = {k: v for k, v in cfg.items() if v is not None}  # null means "not set" (typed configs dump it)
@@ -290,13 +301,17 @@ def build_dataset_parts(
     processor = entry.processor or (DEFAULT_ARITHMETIC_PROCESSOR if kind == ARITHMETIC else DEFAULT_PROCESSOR)
     options = {k: getattr(entry, k) for k in PROCESSOR_OPTION_KEYS if getattr(entry, k) is not None}
     options.update(entry.processor_kwargs or {})
+    # The tokenizer's chat_template_kwargs (policy.tokenizer's), under the entry's own.
+    render_kwargs = {**(chat_template_kwargs or {}), **(options.get("chat_template_kwargs") or {})}
+    if render_kwargs and _takes_chat_template_kwargs(processor):
+        options["chat_template_kwargs"] = render_kwargs
 
     def processed(rows, suffix: str) -> ProcessedDataset:
         try:
             return ProcessedDataset(
                 rows, processor, task_spec, tokenizer, entry.max_input_seq_length,
                 env_name=entry.env_name, processor_kwargs=options, name=task_spec.task_name + suffix,
-                bad_rows=bad, preprocess=kind != ARITHMETIC,
+                bad_rows=bad, preprocess=kind != ARITHMETIC, chat_template_kwargs=render_kwargs or None,
             )  # fmt: skip
         except DataError as exc:
             raise DataError(f"{where}: {exc}") from None
@@ -342,10 +357,12 @@ def _entries(value: Any, where: str) -> list[tuple[str, Mapping[str, Any]]]:
     raise DataError(f"{where}: expected a dataset mapping or a list of them, got {type(value).__name__}")
 
 
-def build_data(data_cfg: Mapping[str, Any], tokenizer, *, where: str = "data") -> DataSplits:
+def build_data(data_cfg: Mapping[str, Any], tokenizer, *, where: str = "data",
+               chat_template_kwargs: Mapping[str, Any] | None = None) -> DataSplits:
     """All processed datasets of a data section: `train`, `validation`, `default`, the
     section-wide `max_input_seq_length` as a default for every dataset, and `bad_rows`
-    ("refuse" or "skip") for every dataset."""
+    ("refuse" or "skip") for every dataset. `chat_template_kwargs` (the tokenizer's) apply to
+    every dataset whose processor renders a chat template, under an entry's own."""
     policy = data_cfg.get("bad_rows") or DEFAULT_POLICY
     BadRows(policy, where)  # an unknown policy is refused before any file is read
     defaults = dict(data_cfg.get("default") or {})
@@ -360,14 +377,14 @@ def build_data(data_cfg: Mapping[str, Any], tokenizer, *, where: str = "data") -
         raise DataError(f"{where}.train: no dataset configured")
     for entry_where, entry in train_entries:
         main, validation = build_dataset_parts(_with_defaults(defaults, entry, entry_where), tokenizer, where=entry_where,
-                                               bad_rows=policy)
+                                               bad_rows=policy, chat_template_kwargs=chat_template_kwargs)
         _count_skips(splits, entry_where, main, validation)
         splits.train.append(main)
         if validation is not None:
             splits.validation.append(validation)
     for entry_where, entry in _entries(data_cfg.get("validation"), f"{where}.validation"):
         main, extra = build_dataset_parts(_with_defaults(defaults, entry, entry_where), tokenizer, where=entry_where,
-                                          bad_rows=policy)
+                                          bad_rows=policy, chat_template_kwargs=chat_template_kwargs)
         _count_skips(splits, entry_where, main, extra)
         splits.validation.append(main)
         if extra is not None:
@@ -375,6 +392,16 @@ def build_data(data_cfg: Mapping[str, Any], tokenizer, *, where: str = "data") -
     _dedupe_names(splits.train)
     _dedupe_names(splits.validation)
     return splits
+
+
+def _takes_chat_template_kwargs(processor) -> bool:
+    """Whether `processor` (a name, import path or callable) takes `chat_template_kwargs`; a name
+    that does not resolve is left to ProcessedDataset's own error."""
+    try:
+        params = inspect.signature(get_processor(processor)).parameters
+    except Exception:
+        return False
+    return "chat_template_kwargs" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def _count_skips(splits: DataSplits, where: str, main: ProcessedDataset, extra: ProcessedDataset | None) -> None:

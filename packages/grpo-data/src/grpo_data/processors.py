@@ -130,11 +130,13 @@ def render_chat(tokenizer, messages: Sequence[Mapping[str, str]], chat_template_
     return pieces
 
 
-def _tokenise_pieces(tokenizer, roles: Sequence[str], pieces: Sequence[str]) -> list[dict]:
+def _tokenise_pieces(tokenizer, messages: Sequence[Mapping[str, str]], pieces: Sequence[str]) -> list[dict]:
+    """One message-log entry per rendered piece; `raw_content` keeps the message's own text, for
+    renders after the prompt's (the multi-turn rollout renders tools into the prompt again)."""
     ids = tokenizer(list(pieces), add_special_tokens=False)["input_ids"]
     return [
-        {"role": role, "content": piece, "token_ids": torch.tensor(tok, dtype=torch.long)}
-        for role, piece, tok in zip(roles, pieces, ids)
+        {"role": m["role"], "content": piece, "token_ids": torch.tensor(tok, dtype=torch.long), "raw_content": m["content"]}
+        for m, piece, tok in zip(messages, pieces, ids)
     ]
 
 
@@ -242,7 +244,7 @@ def math_processor(
         messages.append({"role": "system", "content": task_spec.system_prompt})
     messages.append({"role": "user", "content": task_spec.render(_text_field(row, input_key, idx))})
     pieces = render_chat(tokenizer, messages, chat_template_kwargs)
-    message_log = _tokenise_pieces(tokenizer, [m["role"] for m in messages], pieces)
+    message_log = _tokenise_pieces(tokenizer, messages, pieces)
     return finish_datum(
         message_log,
         _env_info(row, output_key, idx, required=True),
@@ -301,7 +303,7 @@ def chat_processor(
         if last_user is not None:
             messages[last_user]["content"] = task_spec.render(messages[last_user]["content"])
     pieces = render_chat(tokenizer, messages, chat_template_kwargs)
-    message_log = _tokenise_pieces(tokenizer, [m["role"] for m in messages], pieces)
+    message_log = _tokenise_pieces(tokenizer, messages, pieces)
     return finish_datum(
         message_log, extra_env_info, max_seq_length, idx, _task_name(row, task_spec), _env_name(row), on_overlong
     )

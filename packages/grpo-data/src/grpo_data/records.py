@@ -47,6 +47,9 @@ class DatumSpec:
     # Additions after the first interface (all defaulted, so older call sites keep working).
     truncated: bool = False
     dataset_name: str = ""
+    chat_template_kwargs: dict | None = None
+    """The dataset entry's `chat_template_kwargs` (e.g. `enable_thinking`): the multi-turn rollout
+    renders this prompt's tools and tool messages with them too."""
 
     def __reduce__(self):
         # Pickled token ids travel as numpy arrays. Sent as tensors between dataloader worker

@@ -91,7 +91,7 @@ def check_calls(calls: Iterable[Parsed], tool_names: Iterable[str]) -> list[Pars
 def _from_json(raw: str) -> Parsed:
     try:
         obj = json.loads(raw)
-    except (json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # ValueError: JSONDecodeError, or an int past Python's digit limit
         return ToolCallError("invalid_json", f"tool call is not valid JSON: {exc}", _preview(raw))
     if not isinstance(obj, dict):
         return ToolCallError("bad_shape", f"tool call must be a JSON object, got {type(obj).__name__}", _preview(raw))
@@ -102,7 +102,7 @@ def _from_json(raw: str) -> Parsed:
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
             args = json.loads(args)
-        except (json.JSONDecodeError, RecursionError):
+        except (ValueError, RecursionError):
             pass
     if not isinstance(args, dict):
         return ToolCallError("bad_shape", f"arguments of {name!r} must be a JSON object", _preview(raw), name)

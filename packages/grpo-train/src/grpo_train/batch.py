@@ -30,6 +30,9 @@ class Rollout:
     # tokens (not trained on). None means every response token was generated.
     response_mask: list[int] | None = None
     turns: int = 1
+    # Multi-turn tool envs: 1 on the generated tokens of turns whose tool calls were written wrong
+    # (grpo.invalid_tool_call_advantage replaces their advantage); None: no such turn.
+    invalid_call_mask: list[int] | None = None
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -59,6 +62,17 @@ def build_train_batch(rollouts: list[Rollout], advantages: torch.Tensor, sample_
         "advantages": advantages.float().view(B, 1) * token_mask,  # [B, S] per-sample advantage on response tokens
         "sample_mask": sample_mask.float(),  # [B]
     }
+
+
+def invalid_call_token_mask(rollouts: list[Rollout], shape: tuple[int, int]) -> torch.Tensor:
+    """[B, S] bool: the response tokens of each row that `Rollout.invalid_call_mask` marks, laid
+    out as `build_train_batch` lays out the rows."""
+    mask = torch.zeros(shape, dtype=torch.bool)
+    for i, r in enumerate(rollouts):
+        if r.invalid_call_mask is not None:
+            p = len(r.prompt_ids)
+            mask[i, p : p + len(r.invalid_call_mask)] = torch.tensor(r.invalid_call_mask, dtype=torch.bool)
+    return mask
 
 
 def batch_size(batch: dict[str, torch.Tensor]) -> int:

@@ -279,7 +279,7 @@ def build_datasets(cfg: GRPOMasterConfig, tokenizer):
     from grpo_data.errors import DataError
 
     try:
-        splits = build_data(data_section(cfg), tokenizer)
+        splits = build_data(data_section(cfg), tokenizer, chat_template_kwargs=cfg.policy.tokenizer.chat_template_kwargs)
     except (DataError, FileNotFoundError) as exc:
         raise StartupError(str(exc)) from None
     if not splits.train:

@@ -9,7 +9,7 @@ import ray
 import torch
 
 from grpo_train.advantages import groups_with_signal, scale_rewards, shape_rewards
-from grpo_train.batch import Rollout, build_train_batch, seq_mult_prob_error
+from grpo_train.batch import Rollout, build_train_batch, invalid_call_token_mask, seq_mult_prob_error
 from grpo_train.config.schema import GRPOConfig, GRPOMasterConfig
 from grpo_train.group_estimators import GroupBatch, estimate_advantages, kl_in_reward
 from grpo_train.refit import check as refit_check
@@ -77,12 +77,25 @@ def add_advantages(cfg: GRPOMasterConfig, rollouts: list[Rollout], batch: dict[s
                    group_size=cfg.grpo.num_generations_per_prompt, components=components, kl_penalty=kl)
     batch["advantages"] = estimate_advantages(cfg.grpo, x)
     mask = batch["token_mask"]
-    metrics = {"advantage_abs_mean": float((batch["advantages"].abs() * mask).sum() / mask.sum().clamp(min=1))}
+    metrics: dict[str, float] = {}
+    if cfg.grpo.invalid_tool_call_advantage is not None:
+        metrics["invalid_tool_call_tokens"] = replace_invalid_call_advantages(
+            batch, rollouts, cfg.grpo.invalid_tool_call_advantage)
+    metrics["advantage_abs_mean"] = float((batch["advantages"].abs() * mask).sum() / mask.sum().clamp(min=1))
     if kl is not None:
         metrics["reward_kl_penalty"] = float(kl.sum() / mask.sum().clamp(min=1))
     metrics |= mask_by_logprob_error(cfg.grpo, batch)
     metrics["masked_samples"] = float((batch["sample_mask"] == 0).sum())
     return metrics
+
+
+def replace_invalid_call_advantages(batch: dict[str, torch.Tensor], rollouts: list[Rollout], value: float) -> float:
+    """grpo.invalid_tool_call_advantage: the generated tokens of turns with invalid tool calls
+    (`Rollout.invalid_call_mask`) take `value` as their advantage; returns how many tokens did."""
+    adv = batch["advantages"]
+    invalid = invalid_call_token_mask(rollouts, (adv.shape[0], adv.shape[1])) & (batch["token_mask"] > 0)
+    batch["advantages"] = torch.where(invalid, torch.full_like(adv, value), adv)
+    return float(invalid.sum())
 
 
 def mask_by_logprob_error(grpo: GRPOConfig, batch: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -19,6 +19,7 @@ only its own sample (generation batches then depend on timing).
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -52,8 +53,13 @@ class _Conversation:
     templated: bool = False
     """Some observation was rendered by the chat template (drift is measured)."""
     last_generated: list[int] = field(default_factory=list)
+    last_start: int = 0
+    """Where the last generated turn starts in `response_ids`."""
+    invalid_spans: list[tuple[int, int]] = field(default_factory=list)
+    """[start, end) of the generated turns whose tool calls the env found written wrong."""
 
     def add_generation(self, ids: list[int], logprobs: list[float], text: str, finish_reason: str) -> None:
+        self.last_start = len(self.response_ids)
         self.response_ids += ids
         self.response_mask += [1] * len(ids)
         self.gen_logprobs += logprobs
@@ -62,6 +68,14 @@ class _Conversation:
         self.text += text
         self.turns += 1
         self.truncated = finish_reason == "length"
+
+    def invalid_call_mask(self) -> list[int] | None:
+        if not self.invalid_spans:
+            return None
+        mask = [0] * len(self.response_ids)
+        for start, end in self.invalid_spans:
+            mask[start:end] = [1] * (end - start)
+        return mask
 
     def add_observation(self, ids: list[int], messages: list[dict]) -> None:
         self.response_ids += ids
@@ -82,24 +96,31 @@ class _TurnRunner:
                  chunk_size: int | None) -> None:
         self.generator, self.envs, self.sampling, self.tokenizer = generator, envs, sampling, tokenizer
         self.max_turns, self.max_total_len, self.chunk_size = max_turns, max_total_len, chunk_size
-        self._chat: ChatTokens | None = None
+        self._chats: dict[str, ChatTokens] = {}
         self.metrics = _TurnMetrics(envs)
         self.generate_s = self.reward_s = 0.0
         self._lock = threading.Lock()  # the per-sample schedule adds timings and metrics from threads
 
-    @property
-    def chat(self) -> ChatTokens:
-        if self._chat is None:
-            self._chat = ChatTokens.of(self.tokenizer)
-        return self._chat
+    def chat(self, datum) -> ChatTokens:
+        """The template's renders for `datum`'s conversations, with its dataset's `chat_template_kwargs`."""
+        kwargs = getattr(datum, "chat_template_kwargs", None) or {}
+        key = json.dumps(kwargs, sort_keys=True, default=repr)
+        with self._lock:
+            if key not in self._chats:
+                self._chats[key] = ChatTokens.of(self.tokenizer, kwargs)
+            return self._chats[key]
 
     def conversations(self, datums: list) -> list[_Conversation]:
         convs = []
         for p, d in enumerate(datums):
             pool = self.envs.get(d.env_name)
             tools = list(pool.tools()) if pool is not None and hasattr(pool, "tools") else []
-            messages = prompt_messages(d)
-            ids = self.chat.prompt_ids(messages, tools) if tools else d.token_ids.tolist()
+            # With tools, the prompt is rendered again from the messages' own text (not the pieces
+            # a processor rendered), and the conversation goes on from those messages.
+            messages = prompt_messages(d, raw=bool(tools))
+            ids = d.token_ids.tolist()
+            if tools:
+                ids = self.chat(d).prompt_ids(messages, tools)
             convs += [_Conversation(d, p, list(ids), list(messages), tools) for _ in range(self.sampling.n)]
         return convs
 
@@ -141,6 +162,8 @@ class _TurnRunner:
                                                         env.metadata, env.stop_strings):
             conv.reward += reward
             conv.metadata = meta
+            if meta.get("invalid_tool_calls"):  # this turn's calls were written wrong
+                conv.invalid_spans.append((conv.last_start, conv.last_start + len(conv.last_generated)))
             conv.stop_strings = tuple(stop) if stop is not None else None
             conv.done = done or obs is None or conv.turns >= self.max_turns
             if not conv.done and obs is not None:
@@ -151,7 +174,7 @@ class _TurnRunner:
 
     def _observe(self, conv: _Conversation, messages: list[dict]) -> None:
         if all(m.get("role") == TOOL_ROLE for m in messages):
-            ids = self.chat.between_turns_ids(conv.last_generated, messages)
+            ids = self.chat(conv.datum).between_turns_ids(conv.last_generated, messages)
             conv.templated = True
         else:
             ids = [t for m in messages for t in observation_ids(self.tokenizer, m)]
@@ -190,7 +213,7 @@ def multi_turn_rollout(generator, envs: dict, datums: list, sampling, tokenizer,
                 gen_logprobs=c.gen_logprobs, text=c.text, truncated=c.truncated, reward=c.reward,
                 loss_multiplier=float(c.datum.loss_multiplier), task_name=c.datum.task_name,
                 dataset_name=getattr(c.datum, "dataset_name", ""), env_metadata=c.metadata,
-                response_mask=c.response_mask, turns=c.turns)
+                response_mask=c.response_mask, turns=c.turns, invalid_call_mask=c.invalid_call_mask())
         for c in convs
     ]
     metrics = runner.metrics.result()
@@ -238,7 +261,8 @@ def _conversation_metrics(runner: _TurnRunner, convs: list[_Conversation]) -> di
         metrics["rollout/calls_per_turn"] = calls / max(sum(c.turns for c in convs), 1)
     templated = [c for c in convs if c.templated]
     if templated:
-        drifts = [drift(c.prompt_ids + c.response_ids, runner.chat.fresh_ids(c.messages, c.tools)) for c in templated]
+        drifts = [drift(c.prompt_ids + c.response_ids, runner.chat(c.datum).fresh_ids(c.messages, c.tools))
+                  for c in templated]
         metrics["rollout/chat_drift_samples"] = float(sum(d > 0 for d in drifts))
         metrics["rollout/chat_drift_tokens_mean"] = sum(drifts) / len(drifts)
     return metrics

@@ -25,9 +25,12 @@ class RolloutResult:
     reward_s: float
 
 
-def prompt_messages(datum) -> list[dict]:
-    """The datum's message log as plain {"role", "content"} messages (no token ids)."""
-    return [{"role": m["role"], "content": m["content"]} for m in datum.message_log]
+def prompt_messages(datum, raw: bool = False) -> list[dict]:
+    """The datum's message log as plain {"role", "content"} messages (no token ids); `raw`: each
+    message's own text where a processor rendered it through the chat template (`raw_content`),
+    for a render of the conversation again."""
+    return [{"role": m["role"], "content": m.get("raw_content", m["content"]) if raw else m["content"]}
+            for m in datum.message_log]
 
 
 @dataclass

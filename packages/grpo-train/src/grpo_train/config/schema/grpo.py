@@ -129,6 +129,12 @@ class GRPOConfig(Section):
     """Multi-turn only: each conversation starts its next turn as soon as its own environment has
     answered (a slow tool call holds back only its sample) instead of all turns in lockstep; the
     generation batches then depend on timing, so runs are not bitwise reproducible."""
+    invalid_tool_call_advantage: float | None = None
+    """Multi-turn tool environments (NeMo RL's key of the same name): every generated token of a
+    turn whose tool calls the environment found written wrong (its metadata's `invalid_tool_calls`
+    > 0: invalid JSON, unknown tool, bad arguments, too many calls) gets this advantage in place of
+    the estimator's (after clipping); the sample's other turns keep theirs. null: off. The
+    environment's `invalid_call_penalty` (a reward, shared by the whole sample) is separate."""
     max_num_epochs: int = Field(default=1, ge=1)
     """Passes over the training data."""
     max_num_steps: int = Field(default=1_000_000, ge=1)
@@ -179,6 +185,13 @@ class GRPOConfig(Section):
         if self.per_sample_turns and self.max_rollout_turns == 1:
             raise ValueError("grpo.per_sample_turns: true needs grpo.max_rollout_turns > 1 (one turn has no later "
                              "turns to schedule); remove it or raise max_rollout_turns")
+        return self
+
+    @model_validator(mode="after")
+    def _invalid_tool_call_advantage(self) -> GRPOConfig:
+        if self.invalid_tool_call_advantage is not None and self.max_rollout_turns == 1:
+            raise ValueError("grpo.invalid_tool_call_advantage needs grpo.max_rollout_turns > 1 (tool calls are run "
+                             "and judged only between turns); remove it or raise max_rollout_turns")
         return self
 
     @model_validator(mode="after")

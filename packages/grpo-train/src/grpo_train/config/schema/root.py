@@ -103,6 +103,9 @@ class GRPOMasterConfig(Section):
             raise ValueError("grpo.adv_estimator chooses GRPO's group estimator; PPO uses ppo.adv_estimator")
         if self.grpo.async_grpo.enabled:
             raise ValueError("grpo.async_grpo: PPO runs synchronously; set grpo.async_grpo.enabled: false")
+        if self.grpo.invalid_tool_call_advantage is not None:
+            raise ValueError("grpo.invalid_tool_call_advantage replaces GRPO's advantages; PPO's come from GAE and do "
+                             "not take it: remove it (the env's invalid_call_penalty works with PPO)")
         if self.grpo.use_dynamic_sampling and self.grpo.num_generations_per_prompt < 2:
             raise ValueError("grpo.use_dynamic_sampling keeps prompts whose samples differ in reward; with PPO it "
                              "needs grpo.num_generations_per_prompt >= 2")
