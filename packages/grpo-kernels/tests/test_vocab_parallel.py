@@ -65,14 +65,17 @@ def forward_backward(fn, logits, targets, temperature, entropy, g_lp, g_ent, **k
 
 
 def implementations(device: torch.device) -> list:
-    """The torch op, the reference twin and, where it runs, the Triton op (with TEST_BLOCK_V on
-    CPU, its own block size on CUDA)."""
+    """The torch op, the reference twin, where it runs the Triton op (with TEST_BLOCK_V on CPU, its
+    own block size on CUDA), and the public dispatch (the torch op on CPU, Triton on CUDA)."""
+    import grpo_kernels
+
     impls = [vocab_parallel_token_logprobs, R.vocab_parallel_token_logprobs]
     if HAS_TRITON and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
         from grpo_kernels.ops import vocab_parallel as K
 
         impls.append(functools.partial(K.vocab_parallel_token_logprobs, block_v=TEST_BLOCK_V)
                      if device.type == "cpu" else K.vocab_parallel_token_logprobs)
+    impls.append(grpo_kernels.vocab_parallel_token_logprobs)  # the dispatch: the torch op on CPU, Triton on CUDA
     return impls
 
 
@@ -109,7 +112,7 @@ def run_rank(rank: int, world: int, port: int, backend: str = "gloo") -> None:
                     torch.testing.assert_close(ent, want_ent, **tolerance(dtype), msg=what)
                 torch.testing.assert_close(grad, want_grad[..., cols], **tolerance(dtype), msg=what)
             with torch.no_grad():  # the no-grad path gives the same numbers
-                for impl in implementations(device)[::2]:  # the torch and Triton ops
+                for impl in implementations(device):
                     torch.testing.assert_close(impl(shard, targets, temperature=temperature, **kw), want_lp,
                                                **tolerance(dtype))
     finally:
@@ -141,13 +144,15 @@ def run_ranks(world: int, backend: str) -> None:
 
 
 def test_sharded_logprobs_entropy_and_gradients_match_the_unsharded_op():
-    assert len(implementations(torch.device("cpu"))) == 3 or not HAS_TRITON  # Triton's op is compared too
+    assert len(implementations(torch.device("cpu"))) == 4 or not HAS_TRITON  # Triton's op is compared too
     run_ranks(2, "gloo")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (NCCL)")
 def test_nccl_ranks_match_the_unsharded_op():
+    """The same cases on two GPUs over NCCL: the torch op, the twin, and the Triton kernels (compiled
+    when run with TRITON_INTERPRET=0, as the other GPU tests), directly and through the dispatch."""
     run_ranks(2, "nccl")
 
 
