@@ -3,7 +3,6 @@
 import logging
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 import grpo_kernels
