@@ -13,7 +13,7 @@ import pytest
 from grpo_cli.configs import CONFIG_DIR
 from grpo_cli.main import main
 from grpo_train.config import load_config, validate_config_dict
-from grpo_train.plan import make_plan, params_from_config, params_from_safetensors
+from grpo_train.plan import ParallelLayout, make_plan, params_from_config, params_from_safetensors
 
 # Qwen2.5-1.5B: hidden 1536, 28 layers, 12 heads of 128, 2 KV heads, MLP 8960, vocab 151936, tied head.
 EMBED = 151936 * 1536
@@ -219,6 +219,12 @@ def test_plan_lays_out_tp_and_dp_groups_of_the_policy_and_engines_on_two_nodes()
     rendered = plan.render().splitlines()
     header = rendered.index("policy process groups: dp 4 x tp 2 (rank = dp_rank * 2 + tp_rank)")
     assert rendered[header + 1:header + 7] == [f"  {line}" for line in plan.layout.lines()]
+    # With context parallelism (refused at its key until it is built) cp sits between dp and tp.
+    cp = ParallelLayout(tp=2, cp=2, nodes=(0, 0, 0, 0, 1, 1, 1, 1))
+    assert (cp.tp_groups(), cp.cp_groups(), cp.dp_groups()) == (
+        [[0, 1], [2, 3], [4, 5], [6, 7]], [[0, 2], [1, 3], [4, 6], [5, 7]], [[0, 4], [1, 5], [2, 6], [3, 7]])
+    assert cp.header() == "policy process groups: dp 2 x cp 2 x tp 2 (rank = (dp_rank * 2 + cp_rank) * 2 + tp_rank)"
+    assert cp.lines()[4:6] == ["node 0: cp group 0 = ranks [0, 2]", "node 0: cp group 1 = ranks [1, 3]"]
 
     engines = make_plan(cfg(workers=4, engine_tp=2, separate=True), 80)
     assert not engines.problems
