@@ -34,7 +34,8 @@ def _vocab_parallel_token_logprobs_fwd_kernel(
     n_rows, n_cols, vocab_start, temp_hi, temp_lo, ignore_index,
     RETURN_ENTROPY: tl.constexpr, ACC: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    temperature = tl.cast(temp_hi, ACC) + tl.cast(temp_lo, ACC)  # float args arrive as fp32: see split_float
+    # Float args arrive as fp32: see split_float. (Triton's stubs type ACC as constexpr, not a dtype.)
+    temperature = tl.cast(temp_hi, ACC) + tl.cast(temp_lo, ACC)  # pyright: ignore[reportArgumentType]
     pid = tl.program_id(0).to(tl.int64)
     cols0 = tl.arange(0, BLOCK_V)
     zero_block = tl.zeros([BLOCK_V], dtype=ACC)
@@ -52,7 +53,7 @@ def _vocab_parallel_token_logprobs_fwd_kernel(
             scale = tl.exp(m - m_safe)
             e = tl.exp(z - m_safe)
             if RETURN_ENTROPY:
-                shift = s * tl.where(s > 0, m - m_safe, 0.0)
+                shift = s * tl.where(m == -float("inf"), 0.0, m - m_safe)  # s = 0 while only -inf was seen
                 a = scale * (a + shift) + tl.sum(e * tl.where(e > 0, z - m_safe, 0.0), 0)
             s = s * scale + tl.sum(e, 0)
             m = m_new
@@ -74,7 +75,7 @@ def _vocab_parallel_token_logprobs_bwd_kernel(
     HAS_GRAD_LOGPROBS: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
     ACC: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    temperature = tl.cast(temp_hi, ACC) + tl.cast(temp_lo, ACC)
+    temperature = tl.cast(temp_hi, ACC) + tl.cast(temp_lo, ACC)  # pyright: ignore[reportArgumentType]
     # d logprob / d z_j = [j = target] - p_j;  d H / d z_j = -p_j (log p_j + H);  z = x / T,
     # with p_j = exp(z_j - lse) over the global lse: no collective.
     pid = tl.program_id(0).to(tl.int64)
@@ -132,7 +133,8 @@ def shard_partials(
     _vocab_parallel_token_logprobs_fwd_kernel[grid](
         logits, logits.stride(0), targets, partials,
         n_rows, n_cols, int(vocab_start), *split_float(temperature), int(ignore_index),
-        RETURN_ENTROPY=return_entropy, ACC=_acc_dtype(logits.dtype), BLOCK_V=block_v, num_warps=num_warps,
+        RETURN_ENTROPY=return_entropy, ACC=_acc_dtype(logits.dtype), BLOCK_V=block_v,
+        num_warps=num_warps,  # pyright: ignore[reportCallIssue]  (a launch option, not a kernel parameter)
     )
     return partials
 
@@ -194,7 +196,8 @@ def vocab_parallel_token_logprobs_bwd(
         grad_lp if grad_lp is not None else lse, grad_ent if grad_ent is not None else lse,
         grad_logits, n_rows, n_cols, int(vocab_start), *split_float(temperature), int(ignore_index),
         HAS_GRAD_LOGPROBS=grad_lp is not None, HAS_GRAD_ENTROPY=grad_ent is not None,
-        ACC=_acc_dtype(logits.dtype), BLOCK_V=block_v, num_warps=num_warps,
+        ACC=_acc_dtype(logits.dtype), BLOCK_V=block_v,
+        num_warps=num_warps,  # pyright: ignore[reportCallIssue]  (a launch option, not a kernel parameter)
     )
     return grad_logits
 
