@@ -13,7 +13,7 @@ import pytest
 from grpo_cli.configs import CONFIG_DIR
 from grpo_cli.main import main
 from grpo_train.config import load_config, validate_config_dict
-from grpo_train.plan import make_plan, params_from_config, params_from_safetensors
+from grpo_train.plan import ParallelLayout, make_plan, params_from_config, params_from_safetensors
 
 # Qwen2.5-1.5B: hidden 1536, 28 layers, 12 heads of 128, 2 KV heads, MLP 8960, vocab 151936, tied head.
 EMBED = 151936 * 1536
@@ -160,27 +160,87 @@ def test_parameter_count_includes_every_expert(name):
     assert params_from_config(config.to_dict()) == sum(p.numel() for p in model.parameters())
 
 
-def test_plan_shows_policy_tensor_parallel_groups_per_node(capsys):
-    """policy.dtensor_cfg.tensor_parallel_size=2 over 4 ranks on 2 nodes of 2 GPUs: dp groups {0,1} on
+def test_plan_shows_policy_tensor_parallel_groups_per_node():
+    """policy.dtensor_cfg.tensor_parallel_size=2 over 4 ranks on 2 nodes of 2 GPUs: tp groups {0,1} on
     node 0 and {2,3} on node 1; each rank's trainer state is its 1/tp TP shard (FSDP2 divides by dp on top);
     a TP size that does not divide the GPUs of a node is refused at its key."""
     def cfg(tp: int, num_workers: int, gpus_per_node: int):
         return validate_config_dict({
-            "policy": {"model_name": "builtin:arith-tiny", "num_workers": num_workers, "train_global_batch_size": 128,
+            "grpo": {"num_prompts_per_step": 6, "num_generations_per_prompt": 16},
+            "policy": {"model_name": "builtin:arith-tiny", "num_workers": num_workers, "train_global_batch_size": 96,
                        "dtensor_cfg": {"tensor_parallel_size": tp}},
             "cluster": {"gpus_per_node": gpus_per_node, "num_nodes": 2},
         })
 
     plan = make_plan(cfg(2, 4, 2), 80)
-    assert plan.tp_groups == ["dp group 0: policy ranks 0-1 on node 0", "dp group 1: policy ranks 2-3 on node 1"]
+    assert plan.layout is not None
+    assert (plan.layout.tp_groups(), plan.layout.dp_groups()) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
     assert [a.name for a in plan.actors if a.name.startswith("policy")] == [
         f"policy rank {r} (dp {r // 2}, tp {r % 2})" for r in range(4)]
-    assert "policy tensor-parallel groups:" in plan.render() and not plan.problems
+    assert "policy process groups: dp 2 x tp 2 (rank = dp_rank * 2 + tp_rank)" in plan.render() and not plan.problems
     one = make_plan(cfg(1, 4, 2), 80)  # FSDP2 over 4 ranks: the same division as dp 2 x tp 2
+    assert one.layout is None
     assert plan.gpus[0].parts["gradients"] == pytest.approx(one.gpus[0].parts["gradients"])
     alone = make_plan(cfg(1, 2, 2).model_copy(update={"cluster": cfg(1, 2, 2).cluster.model_copy(
         update={"num_nodes": 1})}), 80)  # FSDP2 over 2 ranks: twice a dp 2 x tp 2 rank's share
     assert alone.gpus[0].parts["gradients"] == pytest.approx(2 * plan.gpus[0].parts["gradients"])
-    split = make_plan(cfg(3, 6, 4), 80)
-    assert split.tp_groups[1] == "dp group 1: policy ranks 3-5 on node 0, 1"
-    assert split.problems[0].startswith("policy.dtensor_cfg.tensor_parallel_size (3) must divide cluster.gpus_per_node (4)")
+    split = make_plan(cfg(2, 6, 3), 80)  # 3 GPUs per node: tp group 1 = ranks 2 (node 0) and 3 (node 1)
+    assert split.layout is not None and split.layout.lines()[1] == "nodes 0, 1: tp group 1 = ranks [2, 3]"
+    assert split.problems[0].startswith("policy.dtensor_cfg.tensor_parallel_size (2) must divide cluster.gpus_per_node (3)")
+
+
+def test_plan_lays_out_tp_and_dp_groups_of_the_policy_and_engines_on_two_nodes():
+    """Qwen2.5-1.5B (12 heads, 2 KV heads, vocabulary 151936) on 2 nodes of 4 GPUs. Policy: 8 ranks,
+    tp 2, rank = dp_rank * 2 + tp_rank packed node by node, so each TP group is a pair of neighbours on
+    one node and each dp group holds one tp rank of every replica, across both nodes. Engines: tp 2 on
+    separate GPUs of node 1 beside a 4-rank policy on node 0. Sizes the model or nodes cannot take are
+    refused at their keys (a plan problem: `grpo plan` and `grpo train` exit 2 on it, see
+    test_cli_plan_exit_codes and test_train_refuses_a_plan_that_does_not_fit_before_any_actor)."""
+    def cfg(policy_tp: int = 2, workers: int = 8, engine_tp: int = 1, separate: bool = False):
+        generation: dict = {"vllm_cfg": {"tensor_parallel_size": engine_tp}}
+        if separate:
+            generation["colocated"] = {"enabled": False, "resources": {"gpus_per_node": 4, "num_nodes": 1}}
+        return validate_config_dict({
+            "policy": {"model_name": "Qwen/Qwen2.5-1.5B", "num_workers": workers, "train_global_batch_size": 128,
+                       "dtensor_cfg": {"tensor_parallel_size": policy_tp}, "generation": generation},
+            "cluster": {"gpus_per_node": 4, "num_nodes": 2},
+        })
+
+    plan = make_plan(cfg(), 80)
+    assert plan.layout is not None and not plan.problems
+    assert plan.layout.lines() == [
+        "node 0: tp group 0 = ranks [0, 1]",
+        "node 0: tp group 1 = ranks [2, 3]",
+        "node 1: tp group 2 = ranks [4, 5]",
+        "node 1: tp group 3 = ranks [6, 7]",
+        "nodes 0, 1: dp group 0 = ranks [0, 2, 4, 6]",
+        "nodes 0, 1: dp group 1 = ranks [1, 3, 5, 7]",
+    ]
+    rendered = plan.render().splitlines()
+    header = rendered.index("policy process groups: dp 4 x tp 2 (rank = dp_rank * 2 + tp_rank)")
+    assert rendered[header + 1:header + 7] == [f"  {line}" for line in plan.layout.lines()]
+    # With context parallelism (refused at its key until it is built) cp sits between dp and tp.
+    cp = ParallelLayout(tp=2, cp=2, nodes=(0, 0, 0, 0, 1, 1, 1, 1))
+    assert (cp.tp_groups(), cp.cp_groups(), cp.dp_groups()) == (
+        [[0, 1], [2, 3], [4, 5], [6, 7]], [[0, 2], [1, 3], [4, 6], [5, 7]], [[0, 4], [1, 5], [2, 6], [3, 7]])
+    assert cp.header() == "policy process groups: dp 2 x cp 2 x tp 2 (rank = (dp_rank * 2 + cp_rank) * 2 + tp_rank)"
+    assert cp.lines()[4:6] == ["node 0: cp group 0 = ranks [0, 2]", "node 0: cp group 1 = ranks [1, 3]"]
+
+    engines = make_plan(cfg(workers=4, engine_tp=2, separate=True), 80)
+    assert not engines.problems
+    assert engines.layout is not None and engines.layout.lines() == [
+        "node 0: tp group 0 = ranks [0, 1]", "node 0: tp group 1 = ranks [2, 3]",
+        "node 0: dp group 0 = ranks [0, 2]", "node 0: dp group 1 = ranks [1, 3]"]
+    assert engines.engine_groups == [(0, [1], [4, 5]), (1, [1], [6, 7])]
+    assert "engine tensor-parallel groups:\n  node 1: engine 0 = GPUs [4, 5]\n  node 1: engine 1 = GPUs [6, 7]" \
+        in engines.render()
+
+    assert make_plan(cfg(policy_tp=4), 80).problems == [
+        "policy.dtensor_cfg.tensor_parallel_size: 4 does not divide the model's num_key_value_heads=2 (each "
+        "tensor-parallel rank holds whole heads and an equal vocabulary slice)"]
+    assert make_plan(cfg(workers=4, engine_tp=3, separate=True), 80).problems == [
+        "policy.generation.vllm_cfg.tensor_parallel_size: 3 does not fit the model's num_attention_heads=12, "
+        "num_key_value_heads=2 (vLLM needs it to divide the heads, and to divide or be a multiple of the KV heads)"]
+    too_wide = make_plan(cfg(workers=4, engine_tp=6, separate=True), 80).problems  # 6 fits 12 heads, not a node
+    assert too_wide[0] == ("policy.generation.vllm_cfg.tensor_parallel_size (6): the engine needs 6 GPUs in one "
+                           "bundle, more than a node's cluster.gpus_per_node (4)")

@@ -4,15 +4,21 @@ Each rank builds the same random tiny model twice: once plain (the oracle, on th
 and once parallelized with `apply_tensor_parallel` over a TP=2 mesh. On the padded and the
 packed path, with and without SP, the TP model's logprobs, the clipped PG loss and every
 parameter's gradient (gathered with `full_tensor()`) must equal the plain model's (fp32,
-1e-5 relative), and refit and checkpoints see the plain model's full tensors. Qwen2 (tied head) and Llama (untied head) cover the plan's two head layouts.
+1e-5 relative), and refit and checkpoints see the plain model's full tensors. The vocab-sharded
+logits go through grpo_kernels' dispatch: on CPU it picks the sharded torch op; told the logits
+are CUDA tensors it picks the Triton kernels, which then run under the interpreter
+(TRITON_INTERPRET=1, root conftest) and must give the same numbers. Qwen2 (tied head) and Llama (untied head) cover the plan's two head layouts.
 Rank 0 runs in the test process, rank 1 in a child process that loads this file by path.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,6 +27,9 @@ RTOL = 1e-5
 # k_proj.bias has an exactly-zero gradient in exact arithmetic (see test_fsdp.py): an absolute
 # floor on the difference norm.
 ATOL = 1e-7
+# (model, sequence_parallel, packed) runs repeated with the Triton kernels (interpreted: slow).
+TRITON_RUNS = (("qwen2", False, False), ("llama", True, True))
+TORCH_OP, TRITON_OP = "grpo_kernels.vocab_parallel", "grpo_kernels.ops.vocab_parallel"
 
 
 def tiny_model(kind: str):
@@ -81,6 +90,32 @@ def step(model, packed: bool):
     return lp.detach(), loss.detach(), grads
 
 
+@contextlib.contextmanager
+def vocab_parallel_picks(as_if_cuda: bool):
+    """-> the modules of the implementations grpo_kernels' dispatch picks for the TP logprob path,
+    filled as it runs; with as_if_cuda the selection sees CUDA logits (a stand-in with is_cuda)."""
+    from grpo_kernels import dispatch
+
+    real, picked = dispatch.pick_vocab_parallel_token_logprobs, []
+
+    def pick(logits):
+        impl = real(SimpleNamespace(is_cuda=True) if as_if_cuda else logits)
+        picked.append(impl.__module__)
+        return impl
+
+    dispatch.pick_vocab_parallel_token_logprobs = pick
+    try:
+        yield picked
+    finally:
+        dispatch.pick_vocab_parallel_token_logprobs = real
+
+
+def can_interpret_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def assert_close(got, want, what):
     diff = float((got - want).norm())
     assert diff <= RTOL * float(want.norm()) + ATOL, (what, diff, float(want.norm()))
@@ -136,12 +171,17 @@ def run_rank(rank: int, port: int) -> None:
             for packed in (False, True):
                 what = f"{kind} sp={sp} packed={packed} rank {rank}"
                 want_lp, want_loss, want_grads = step(plain, packed)
-                lp, loss, grads = step(tp_model, packed)
-                assert_close(lp, want_lp, what + " logprobs")
-                assert_close(loss, want_loss, what + " loss")
-                assert grads.keys() == want_grads.keys(), what
-                for name in want_grads:
-                    assert_close(grads[name], want_grads[name], f"{what} grad {name}")
+                triton = can_interpret_triton() and (kind, sp, packed) in TRITON_RUNS
+                for as_if_cuda in (False, True) if triton else (False,):
+                    with vocab_parallel_picks(as_if_cuda) as picked:
+                        lp, loss, grads = step(tp_model, packed)
+                    run = f"{what} {picked}"
+                    assert set(picked) == {TRITON_OP if as_if_cuda else TORCH_OP}, run
+                    assert_close(lp, want_lp, run + " logprobs")
+                    assert_close(loss, want_loss, run + " loss")
+                    assert grads.keys() == want_grads.keys(), run
+                    for name in want_grads:
+                        assert_close(grads[name], want_grads[name], f"{run} grad {name}")
     finally:
         dist.destroy_process_group()
 

@@ -116,6 +116,35 @@ def test_tp2_ranks_match_one_worker(policy_batch, ray_session, tiny_qwen2_dir, t
         group.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (NCCL)")
+@pytest.mark.parametrize("sp,packing", [(False, False), (True, True)], ids=["tp2_padded", "tp2_sp_packed"])
+def test_tp2_gpu_ranks_match_one_gpu_worker(policy_batch, ray_session, tiny_qwen2_dir, sp, packing):
+    """GPU-only (not run on the CPU machine): a TP=2 group on two GPUs (an NCCL tp mesh; the vocab-sharded
+    logits reach grpo_kernels' Triton vocab-parallel kernels through the dispatch) against one GPU worker,
+    fp32, the same model and batch: policy and reference logprobs, every train metric, gradients and the
+    updated weights within 1e-5 relative. The groups run one after the other (two GPUs in all)."""
+    cluster = ClusterConfig(gpus_per_node=2)
+    batch = policy_batch(6, seed=0)
+    results = []
+    for workers in (1, 2):
+        group = PolicyGroup(tiny_qwen2_dir, policy_cfg(workers, workers, sp and workers == 2, packing), LOSS, cluster,
+                            seed=0)
+        try:
+            lp = ray.get(group.logprobs_and_reference.remote(batch))
+            metrics = ray.get(group.train.remote({**batch, "prev_logprobs": lp[0], "ref_logprobs": lp[1]}))
+            results.append((lp, metrics, ray.get(group.gradients.remote()), ray.get(group.weights.remote())))
+        finally:
+            group.close()
+    (lp1, m1, g1, w1), (lp2, m2, g2, w2) = results
+    torch.testing.assert_close(lp2, lp1, rtol=0, atol=1e-5)
+    assert m2.keys() == m1.keys()
+    for key in m1:
+        assert abs(m2[key] - m1[key]) <= RTOL * abs(m1[key]) + 1e-7, (key, m1[key], m2[key])
+    assert_close_rel(g2, g1, "gradients")
+    assert_close_rel(w2, w1, "updated weights")
+
+
 def test_bad_tensor_parallel_input_is_refused_at_its_key_before_training(tiny_qwen2_dir):
     """tensor_parallel_size must divide the ranks (config check) and the model's heads, KV heads
     and vocabulary (startup check, before any actor); SP and a custom plan need TP > 1."""

@@ -1,7 +1,12 @@
 """grpo-kernels."""
 
 # Logprob and policy-gradient-loss ops; dispatch.py defers torch/triton to the first call.
-from grpo_kernels.dispatch import clipped_pg_loss, linear_token_logprobs, token_logprobs  # noqa: E402
+from grpo_kernels.dispatch import (  # noqa: E402
+    clipped_pg_loss,
+    linear_token_logprobs,
+    token_logprobs,
+    vocab_parallel_token_logprobs,
+)
 from grpo_kernels.loss_config import PGLossConfig  # noqa: E402
 
 # Sequence packing, imported on first access: packing.py needs numpy and the C++ extension,
@@ -18,7 +23,8 @@ _PACKING_EXPORTS = {
     "unpack_padded": "grpo_kernels.pack_tensors",
 }
 
-__all__ = ["PGLossConfig", "clipped_pg_loss", "linear_token_logprobs", "token_logprobs", *_PACKING_EXPORTS]
+__all__ = ["PGLossConfig", "clipped_pg_loss", "linear_token_logprobs", "token_logprobs",
+           "vocab_parallel_token_logprobs", *_PACKING_EXPORTS]
 
 
 def __getattr__(name: str):

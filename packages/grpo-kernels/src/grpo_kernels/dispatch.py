@@ -1,6 +1,8 @@
 """The one dispatch point of each op: the compiled CUDA extension where it has the op (today
 token_logprobs) and was built with CUDA, else Triton on CUDA tensors when triton imports, else
-the pure-PyTorch reference (always on CPU tensors). The choice is logged at debug level.
+the pure-PyTorch reference (always on CPU tensors). The vocab-parallel op's fallback is its
+sharded torch op (`grpo_kernels.vocab_parallel`), not the gather-everything reference twin. The
+choice is logged at debug level.
 
 This module imports neither torch nor triton at import time, so `import grpo_kernels` stays
 cheap; the chosen implementation is imported on first call.
@@ -33,10 +35,14 @@ def triton_available() -> bool:
     return True
 
 
-def _pick(op: str, triton_module: str, tensor, why_not: str | None = None):
-    """-> the implementation of `op` for this call: the Triton one or the reference."""
+def _on_cuda(tensor) -> bool:
+    return bool(tensor.is_cuda)
+
+
+def _pick(op: str, triton_module: str, tensor, why_not: str | None = None, fallback: str = "grpo_kernels.reference"):
+    """-> the implementation of `op` for this call: the Triton one, else `fallback`'s."""
     if why_not is None:
-        if not tensor.is_cuda:
+        if not _on_cuda(tensor):
             why_not = "CPU tensors"
         elif not triton_available():
             why_not = "triton is not installed"
@@ -49,8 +55,9 @@ def _pick(op: str, triton_module: str, tensor, why_not: str | None = None):
             else:
                 logger.debug("grpo_kernels.%s -> triton", op)
                 return impl
-    logger.debug("grpo_kernels.%s -> reference (%s)", op, why_not)
-    return getattr(importlib.import_module("grpo_kernels.reference"), op)
+    logger.debug("grpo_kernels.%s -> %s (%s)", op, "reference" if fallback == "grpo_kernels.reference" else "torch op",
+                 why_not)
+    return getattr(importlib.import_module(fallback), op)
 
 
 def _pick_with_extension(op: str, triton_module: str, tensor):
@@ -60,7 +67,7 @@ def _pick_with_extension(op: str, triton_module: str, tensor):
     if _ext.cuda_extension_serves(tensor):
         logger.debug("grpo_kernels.%s -> cuda extension", op)
         return getattr(_ext, op)
-    if tensor.is_cuda:
+    if _on_cuda(tensor):
         logger.debug("grpo_kernels.%s: cuda extension not used (%s)", op, _extension_gap(tensor))
     return _pick(op, triton_module, tensor)
 
@@ -110,6 +117,29 @@ def linear_token_logprobs(
     `grpo_kernels.reference.linear_token_logprobs`."""
     impl = _pick("linear_token_logprobs", "grpo_kernels.ops.linear_logprobs", hidden)
     return impl(hidden, weight, target_ids, temperature, return_entropy, ignore_index, chunk_size, cu_seqlens)
+
+
+def pick_vocab_parallel_token_logprobs(logits):
+    """-> the implementation `vocab_parallel_token_logprobs` uses for these logits: Triton's
+    (`ops.vocab_parallel`) on CUDA tensors when triton imports, else the torch op."""
+    return _pick("vocab_parallel_token_logprobs", "grpo_kernels.ops.vocab_parallel", logits,
+                 fallback="grpo_kernels.vocab_parallel")
+
+
+def vocab_parallel_token_logprobs(
+    logits: torch.Tensor,
+    target_ids: torch.Tensor,
+    group=None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    ignore_index: int = IGNORE_INDEX,
+    cu_seqlens: torch.Tensor | None = None,
+):
+    """token_logprobs over the full vocabulary from this rank's shard of tensor-parallel logits
+    (a collective over `group`); see `grpo_kernels.vocab_parallel.vocab_parallel_token_logprobs`
+    for the contract."""
+    impl = pick_vocab_parallel_token_logprobs(logits)
+    return impl(logits, target_ids, group, temperature, return_entropy, ignore_index, cu_seqlens)
 
 
 def clipped_pg_loss(

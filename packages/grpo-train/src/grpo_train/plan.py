@@ -98,6 +98,8 @@ class ModelSize:
     params: int
     source: str
     """Where the size came from (config.json path, safetensors headers, or the known-architectures table)."""
+    config: dict | None = None
+    """The model's config.json when one was found (heads and vocabulary for the tensor-parallel checks)."""
 
 
 def _config_json(name: str) -> tuple[Path | None, Path | None]:
@@ -125,13 +127,98 @@ def model_size(name: str, key: str) -> ModelSize:
         folder, config = _config_json(name)
     except ValueError as exc:
         raise PlanError(f"{key}: {exc}") from None
+    config_dict = json.loads(config.read_text()) if config is not None and config.is_file() else None
     if folder is not None and (n := params_from_safetensors(folder)):
-        return ModelSize(n, f"safetensors headers in {folder}")
-    if config is None:
+        return ModelSize(n, f"safetensors headers in {folder}", config_dict)
+    if config is None or config_dict is None:
         known = ", ".join(p.stem.replace("--", "/") for p in sorted(KNOWN_CONFIGS.glob("*.json")))
         raise PlanError(f"{key}: cannot size {name!r} without loading it: no local folder, no config.json in the "
                         f"Hugging Face cache, not a known architecture ({known}); set {key} to a local folder")
-    return ModelSize(params_from_config(json.loads(config.read_text())), str(config))
+    return ModelSize(params_from_config(config_dict), str(config), config_dict)
+
+
+# ------------------------------------------------------------------- tensor-parallel sizes
+def _config_value(config, key: str):
+    return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
+
+def tp_size_problem(config, tp_size: int) -> str | None:
+    """Why the policy's `tp_size` cannot split this model (heads, KV heads, vocabulary), or None.
+    `config`: an HF config object or its config.json dict."""
+    heads = _config_value(config, "num_attention_heads")
+    counts = {"num_attention_heads": heads,
+              "num_key_value_heads": _config_value(config, "num_key_value_heads") or heads,
+              "vocab_size": _config_value(config, "vocab_size")}
+    bad = {name: n for name, n in counts.items() if n is not None and n % tp_size}
+    if not bad:
+        return None
+    return (f"{tp_size} does not divide the model's " + ", ".join(f"{k}={v}" for k, v in bad.items())
+            + " (each tensor-parallel rank holds whole heads and an equal vocabulary slice)")
+
+
+def engine_tp_problem(config: dict, tp: int) -> str | None:
+    """Why vLLM cannot split this model (config.json dict) over `tp` ranks: it needs tp to divide the
+    heads, and to divide or be a multiple of the KV heads (it replicates KV heads then)."""
+    text = config.get("text_config") or config
+    heads = text.get("num_attention_heads")
+    if heads is None:
+        return None
+    kv = text.get("num_key_value_heads") or heads
+    if heads % tp or (kv % tp and tp % kv):
+        return (f"{tp} does not fit the model's num_attention_heads={heads}, num_key_value_heads={kv} (vLLM needs it "
+                f"to divide the heads, and to divide or be a multiple of the KV heads)")
+    return None
+
+
+def _where(nodes: Sequence[int]) -> str:
+    nodes = sorted(set(nodes))
+    if not nodes:
+        return "CPU ranks"
+    return f"node {nodes[0]}" if len(nodes) == 1 else "nodes " + ", ".join(map(str, nodes))
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """The policy ranks' process groups: rank = (dp_rank * cp + cp_rank) * tp + tp_rank (tp innermost,
+    so a tensor-parallel group's ranks are neighbours, on one node when tp divides cluster.gpus_per_node)."""
+
+    tp: int
+    cp: int
+    nodes: tuple[int | None, ...]  # the node of each policy rank (None: CPU ranks, no placement group)
+
+    @property
+    def dp(self) -> int:
+        return len(self.nodes) // (self.tp * self.cp)
+
+    def _rank(self, d: int, c: int, t: int) -> int:
+        return (d * self.cp + c) * self.tp + t
+
+    def tp_groups(self) -> list[list[int]]:
+        return [[self._rank(d, c, t) for t in range(self.tp)] for d in range(self.dp) for c in range(self.cp)]
+
+    def cp_groups(self) -> list[list[int]]:
+        return [[self._rank(d, c, t) for c in range(self.cp)] for d in range(self.dp) for t in range(self.tp)]
+
+    def dp_groups(self) -> list[list[int]]:
+        return [[self._rank(d, c, t) for d in range(self.dp)] for c in range(self.cp) for t in range(self.tp)]
+
+    def nodes_of(self, ranks: Sequence[int]) -> list[int]:
+        return sorted({node for r in ranks if (node := self.nodes[r]) is not None})
+
+    def lines(self) -> list[str]:
+        """One line per group, each starting with the node(s) it sits on; TP groups first."""
+        kinds = [("tp", self.tp_groups())] + ([("cp", self.cp_groups())] if self.cp > 1 else [])
+        kinds.append(("dp", self.dp_groups()))
+        out = []
+        for kind, groups in kinds:
+            for i, ranks in enumerate(groups):
+                out.append(f"{_where(self.nodes_of(ranks))}: {kind} group {i} = ranks {ranks}")
+        return out
+
+    def header(self) -> str:
+        sizes = f"dp {self.dp}" + (f" x cp {self.cp}" if self.cp > 1 else "") + f" x tp {self.tp}"
+        order = f"(dp_rank * {self.cp} + cp_rank) * {self.tp} + tp_rank" if self.cp > 1 else f"dp_rank * {self.tp} + tp_rank"
+        return f"policy process groups: {sizes} (rank = {order})"
 
 
 # ---------------------------------------------------------------------------------- plan
@@ -187,7 +274,8 @@ class Plan:
     model: ModelSize
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    tp_groups: list[str] = field(default_factory=list)  # the policy's tensor-parallel groups and their nodes
+    layout: ParallelLayout | None = None  # the policy's process groups when tensor (or context) parallel
+    engine_groups: list[tuple[int, list[int], list[int]]] = field(default_factory=list)  # (engine, nodes, GPUs): TP engines
 
     def render(self) -> str:
         lines = [f"model: {self.model.params / 1e9:.3f} B parameters ({self.model.source})", "actors:"]
@@ -195,9 +283,12 @@ class Plan:
             where = "any node" if a.node is None else f"node {a.node}"
             gpu = f"GPU {a.device} x {a.gpu:g}" if a.device is not None else "no GPU"
             lines.append(f"  {a.name:<28} {where:<9} bundle {a.bundle:<26} {gpu}")
-        if self.tp_groups:
-            lines.append("policy tensor-parallel groups:")
-            lines += [f"  {group}" for group in self.tp_groups]
+        if self.layout is not None:
+            lines.append(self.layout.header())
+            lines += [f"  {line}" for line in self.layout.lines()]
+        if self.engine_groups:
+            lines.append("engine tensor-parallel groups:")
+            lines += [f"  {_where(nodes)}: engine {e} = GPUs {devs}" for e, nodes, devs in self.engine_groups]
         if self.gpus:
             cap = f" of {self.gpu_memory_gb:g} GB" if self.gpu_memory_gb else ""
             lines.append(f"memory per GPU (GB{cap}; activations and CUDA context not included):")
@@ -258,6 +349,7 @@ def make_plan(cfg: GRPOMasterConfig, gpu_memory_gb: float | None = None, model_p
     tp = vllm.tensor_parallel_size if gen.backend == "vllm" else 1
     res = gen.colocated.resources
     separate = (res.gpus_per_node or 0) * (res.num_nodes or 1)
+    engine_groups: list[tuple[list[int], list[int]]] = []  # (nodes, GPUs) of each TP engine
     if not g:
         name = "async engine" if cfg.grpo.async_grpo.enabled else "engine 0"
         # vLLM's CPU build runs a TP engine as one worker process per shard beside the actor's engine core
@@ -275,6 +367,7 @@ def make_plan(cfg: GRPOMasterConfig, gpu_memory_gb: float | None = None, model_p
             for _node, dev in devs:
                 _engine_memory(gpus[dev] if dev < len(gpus) else None, gen.backend, vllm.gpu_memory_utilization,
                                engine_weights, tp, gpu_memory_gb)
+            engine_groups.append((sorted({node for node, _ in devs}), [dev for _, dev in devs]))
             actors.append(Actor(f"{label} {e}" if engines > 1 else label, devs[0][0], f"generation[{e}] {{GPU:{tp},CPU:1}}",
                                 float(tp), devs[0][1]))
         next_gpu += engines * tp
@@ -305,24 +398,40 @@ def make_plan(cfg: GRPOMasterConfig, gpu_memory_gb: float | None = None, model_p
                                 env_gpus, dev))
 
     plan = Plan(actors, gpus, gpu_memory_gb if g else None, model)
-    _tp_groups(plan, ranks, tp_size, g)
+    plan.layout = _policy_layout(cfg, [node for node, _ in ranks])
+    plan.engine_groups = [(e, nodes, devs) for e, (nodes, devs) in enumerate(engine_groups) if len(devs) > 1]
+    _check_tensor_parallel(cfg, plan, g)
     _check(cfg, plan, next_gpu)
     return plan
 
 
-def _tp_groups(plan: Plan, ranks: Sequence[tuple[int | None, int | None]], tp_size: int, gpus_per_node: int) -> None:
-    """The policy's tensor-parallel groups (ranks d * tp .. d * tp + tp - 1) and the node(s) each sits
-    on; a group split across nodes (tp not dividing cluster.gpus_per_node) is a problem."""
-    if tp_size == 1:
-        return
-    for d in range(len(ranks) // tp_size):
-        members = range(d * tp_size, (d + 1) * tp_size)
-        nodes = sorted({node for r in members if (node := ranks[r][0]) is not None})
-        where = ("node " + ", ".join(map(str, nodes))) if nodes else "one CPU rank per bundle"
-        plan.tp_groups.append(f"dp group {d}: policy ranks {members[0]}-{members[-1]} on {where}")
-    if gpus_per_node and gpus_per_node % tp_size:
+def _policy_layout(cfg: GRPOMasterConfig, nodes: list[int | None]) -> ParallelLayout | None:
+    """The policy's process groups, when it is tensor (or context) parallel."""
+    dtensor = cfg.policy.dtensor_cfg
+    if dtensor.tensor_parallel_size == 1 and dtensor.context_parallel_size == 1:
+        return None
+    return ParallelLayout(dtensor.tensor_parallel_size, dtensor.context_parallel_size, tuple(nodes))
+
+
+def _check_tensor_parallel(cfg: GRPOMasterConfig, plan: Plan, gpus_per_node: int) -> None:
+    """TP sizes the model or the nodes cannot take, at their keys: the policy's must divide the heads,
+    KV heads and vocabulary, and cluster.gpus_per_node (a TP group's all-reduces stay inside a node);
+    the engine's must fit vLLM's head split (heads checked when the model's config.json was read) and
+    one node (an engine is one {GPU: tp} bundle)."""
+    tp_size = cfg.policy.dtensor_cfg.tensor_parallel_size
+    config = plan.model.config
+    if tp_size > 1 and config is not None and (problem := tp_size_problem(config, tp_size)):
+        plan.problems.append(f"policy.dtensor_cfg.tensor_parallel_size: {problem}")
+    if tp_size > 1 and gpus_per_node and gpus_per_node % tp_size:
         plan.problems.append(f"policy.dtensor_cfg.tensor_parallel_size ({tp_size}) must divide cluster.gpus_per_node "
                              f"({gpus_per_node}): a tensor-parallel group's ranks stay on one node")
+    gen = cfg.policy.generation
+    engine_tp = gen.vllm_cfg.tensor_parallel_size if gen.backend == "vllm" else 1
+    if engine_tp > 1 and config is not None and (problem := engine_tp_problem(config, engine_tp)):
+        plan.problems.append(f"policy.generation.vllm_cfg.tensor_parallel_size: {problem}")
+    if engine_tp > gpus_per_node > 0 and not gen.colocated.enabled:
+        plan.problems.append(f"policy.generation.vllm_cfg.tensor_parallel_size ({engine_tp}): the engine needs "
+                             f"{engine_tp} GPUs in one bundle, more than a node's cluster.gpus_per_node ({gpus_per_node})")
 
 
 def _trainer_memory(load: GpuLoad, P: int, b: int, div: int, reference: bool, offload: bool) -> None:

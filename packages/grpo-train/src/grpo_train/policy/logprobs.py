@@ -53,12 +53,11 @@ def _target_logprobs(model: torch.nn.Module, hidden: torch.Tensor, targets: torc
     kwargs = {"temperature": temperature * scale if cap is None else temperature, "ignore_index": IGNORE_INDEX,
               "cu_seqlens": cu_seqlens}
     if (tp := tp_state(model)) is not None:  # a column-parallel head: this rank's vocab slice of the logits
-        from grpo_kernels.vocab_parallel import vocab_parallel_token_logprobs
-
         logits = head(hidden)  # [N, V / tp]
         if cap is not None:  # elementwise, so it applies shard by shard
             logits = cap * torch.tanh(logits / scale / cap)
-        logprob = vocab_parallel_token_logprobs(logits, targets, tp.group, **kwargs)
+        # grpo_kernels' dispatch: Triton's per-shard kernels on CUDA tensors, the sharded torch op on CPU.
+        logprob = grpo_kernels.vocab_parallel_token_logprobs(logits, targets, tp.group, **kwargs)
         assert isinstance(logprob, torch.Tensor)  # no entropy asked for
         return logprob
     if chunk_size is not None:

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from grpo_train.plan import tp_size_problem as tp_size_problem  # torch-free: `grpo plan` checks the same sizes
+
 # transformers model types whose decoder is Llama-shaped (names of the plan below).
 LLAMA_STYLE = ("llama", "mistral", "qwen2", "qwen3")
 # Attribute under which an applied plan's facts travel with the model (read by policy.logprobs).
@@ -59,19 +61,6 @@ class TPState:
 
 def tp_state(model: torch.nn.Module) -> TPState | None:
     return getattr(model, TP_ATTR, None)
-
-
-def tp_size_problem(config: Any, tp_size: int) -> str | None:
-    """Why `tp_size` cannot split this model (heads, KV heads, vocabulary), or None."""
-    counts = {"num_attention_heads": getattr(config, "num_attention_heads", None),
-              "num_key_value_heads": getattr(config, "num_key_value_heads", None)
-              or getattr(config, "num_attention_heads", None),
-              "vocab_size": getattr(config, "vocab_size", None)}
-    bad = {name: n for name, n in counts.items() if n is not None and n % tp_size}
-    if not bad:
-        return None
-    return (f"{tp_size} does not divide the model's " + ", ".join(f"{k}={v}" for k, v in bad.items())
-            + " (each tensor-parallel rank holds whole heads and an equal vocabulary slice)")
 
 
 def llama_style_plan(model: torch.nn.Module, sequence_parallel: bool) -> dict[str, Any]:
