@@ -1,6 +1,6 @@
 """Context parallelism (policy/context_parallel.py) on two real gloo ranks against one unsharded model.
 
-Each rank builds the same random tiny model (Qwen2 with grouped KV heads, tied head; Llama, untied)
+Each rank builds the same random tiny model (Llama: grouped KV heads, untied head)
 and runs one right-padded batch twice: plainly (`sequence_logprobs`, the oracle) and with the
 sequence sharded over a CP=2 mesh (`cp_sequence_logprobs`: torch's context_parallel with its
 head-tail load balancing, the model's SDPA run as torch's ring attention through the CPU flash
@@ -8,6 +8,11 @@ kernel). The logprobs, the clipped PG loss and every parameter's gradient (summe
 group, as the worker does) must equal the oracle's (fp32, 1e-5 relative). The backward runs after
 the CP context has exited, as the training step's does. Rank 0 runs in the test process, rank 1 in
 a child process that loads this file by path.
+
+The worker-level test runs the real `PolicyWorker` code path with
+`policy.dtensor_cfg.context_parallel_size: 2` (init_distributed's dp x cp mesh, logprob and train
+micro-batches, the gradient sum over cp, clipping, the SGD step) on two gloo ranks against one
+unsharded worker: policy and reference logprobs, train metrics, gradients and updated weights.
 """
 
 from __future__ import annotations
@@ -96,7 +101,7 @@ def run_rank(rank: int, port: int) -> None:
                             timeout=datetime.timedelta(seconds=120))
     try:
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
-        for kind in ("qwen2", "llama"):
+        for kind in ("llama",):  # GQA, untied head; the worker test below runs the tied Qwen2
             model = tiny_model(kind)
             want_lp, want_loss, want_grads = step(model)
             lp, loss, grads = step(model, mesh)
@@ -112,13 +117,70 @@ def run_rank(rank: int, port: int) -> None:
         dist.destroy_process_group()
 
 
+def worker_cfg(num_workers: int, cp: int):
+    from grpo_train.config.schema import DTensorConfig, PolicyConfig
+
+    return PolicyConfig(precision="float32", train_global_batch_size=2, train_micro_batch_size=1, logprob_batch_size=2,
+                        max_grad_norm=1.0, num_workers=num_workers, generation={"temperature": 0.7},
+                        optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.5, "momentum": 0.9}},
+                        dtensor_cfg=DTensorConfig(enabled=False, context_parallel_size=cp))
+
+
+def worker_batch():
+    """Two right-padded rows of 130 and 71 tokens, 10 prompt tokens masked."""
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([130, 71])
+    attention_mask = (torch.arange(130)[None, :] < lengths[:, None]).long()
+    token_mask = attention_mask.float().clone()
+    token_mask[:, :10] = 0
+    return {"input_ids": torch.randint(3, 64, (2, 130), generator=g) * attention_mask,
+            "attention_mask": attention_mask, "token_mask": token_mask,
+            "gen_logprobs": -torch.rand(2, 130, generator=g) * token_mask,
+            "advantages": torch.tensor([[1.0], [-0.7]]) * token_mask, "sample_mask": torch.ones(2)}
+
+
+def run_worker_rank(rank: int, port: int, model_dir: str, batch: dict) -> dict:
+    """One CP rank's logprobs (policy, reference), train metrics, gradients and weights after the step."""
+    from grpo_train.config.schema import LossConfig
+    from grpo_train.policy.worker import PolicyWorker
+
+    worker = PolicyWorker(model_dir, worker_cfg(2, 2), LossConfig(reference_policy_kl_penalty=0.05), seed=0,
+                          rank=rank, world_size=2)
+    try:
+        worker.init_distributed("127.0.0.1", port)
+        out = {"logprobs": worker.logprobs(batch), "reference": worker.logprobs(batch, reference=True)}
+        out["attention"] = worker.model.config._attn_implementation  # CP's (no mask under CP, SDPA's otherwise)
+        out["metrics"] = worker.train(batch)
+        out["gradients"], out["weights"] = worker.gradients(), worker.master_weights()
+        return out
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def prepared_batch(model_dir: str) -> dict:
+    from grpo_train.config.schema import LossConfig
+    from grpo_train.policy.worker import PolicyWorker
+
+    single = PolicyWorker(model_dir, worker_cfg(1, 1), LossConfig(reference_policy_kl_penalty=0.05), seed=0)
+    batch = worker_batch()
+    batch["prev_logprobs"] = single.logprobs(batch) + 0.02 * batch["token_mask"]  # off-policy: ratios != 1
+    batch["ref_logprobs"] = single.logprobs(batch, reference=True) - 0.05 * batch["token_mask"]
+    return batch
+
+
 CHILD = """
 import importlib.util, sys, torch
 spec = importlib.util.spec_from_file_location("context_parallel_rank", sys.argv[1])
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
 torch.set_num_threads(1)
-module.run_rank(1, int(sys.argv[2]))
+if len(sys.argv) > 3:
+    module.run_worker_rank(1, int(sys.argv[2]), sys.argv[3], module.prepared_batch(sys.argv[3]))
+else:
+    module.run_rank(1, int(sys.argv[2]))
 """
 
 
@@ -136,6 +198,35 @@ def test_cp2_logprobs_loss_and_gradients_match_one_unsharded_model():
     finally:
         _, err = child.communicate(timeout=240)
     assert child.returncode == 0, err[-3000:]
+
+
+def test_cp2_policy_workers_match_one_worker(tiny_qwen2_dir):
+    from grpo_train.config.schema import LossConfig
+    from grpo_train.policy.context_parallel import CP_ATTENTION
+    from grpo_train.policy.worker import PolicyWorker
+
+    port = free_port()
+    child = subprocess.Popen([sys.executable, "-c", CHILD, __file__, str(port), tiny_qwen2_dir], stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        batch = prepared_batch(tiny_qwen2_dir)
+        got = run_worker_rank(0, port, tiny_qwen2_dir, batch)
+    finally:
+        _, err = child.communicate(timeout=240)
+    assert child.returncode == 0, err[-3000:]
+    assert got["attention"] == CP_ATTENTION
+    single = PolicyWorker(tiny_qwen2_dir, worker_cfg(1, 1), LossConfig(reference_policy_kl_penalty=0.05), seed=0)
+    assert_close(got["logprobs"], single.logprobs(batch), "logprobs")
+    assert_close(got["reference"], single.logprobs(batch, reference=True), "reference logprobs")
+    want = single.train(batch)
+    for key in ("loss", "grad_norm", "kl_penalty"):
+        if key in want:
+            assert abs(got["metrics"][key] - want[key]) <= RTOL * abs(want[key]) + ATOL, (key, got["metrics"][key], want[key])
+    assert got["metrics"]["grad_norm"] > 0
+    for what, want_tensors in (("gradients", single.gradients()), ("weights", single.master_weights())):
+        assert got[what].keys() == want_tensors.keys() and want_tensors, what
+        for name in want_tensors:
+            assert_close(got[what][name], want_tensors[name], f"{what} {name}")
 
 
 def test_torch_private_context_parallel_api_is_where_we_drive_it():

@@ -196,17 +196,29 @@ def _register_cp_attention() -> None:
     AttentionMaskInterface.register(CP_ATTENTION, cp_mask)
 
 
+def cp_model_problem(config) -> str | None:
+    """Why a model (its HF config) cannot run under CP, or None: CP rings transformers' SDPA attention
+    over full causal attention only (no sliding window, no attention logit soft-capping)."""
+    from grpo_train.model_families import family_of
+
+    impl = getattr(config, "_attn_implementation", None) or "sdpa"
+    if impl not in ("sdpa", CP_ATTENTION):
+        return (f"the model's attention is attn_implementation={impl!r}; context parallelism rings transformers' "
+                "'sdpa' attention only")
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return (f"the model uses sliding-window attention (sliding_window={config.sliding_window}); context "
+                "parallelism rings full causal attention only")
+    if family_of(config).attention_softcap():
+        return "the model soft-caps its attention logits, which SDPA (and so its ring) cannot; set 1"
+    return None
+
+
 def use_cp_attention(model: torch.nn.Module) -> None:
     """Switch a model on transformers' SDPA attention to CP_ATTENTION (idempotent); refuse any other."""
-    impl = model.config._attn_implementation
-    if impl == CP_ATTENTION:
+    if (problem := cp_model_problem(model.config)) is not None:
+        raise NotImplementedError(f"policy.dtensor_cfg.context_parallel_size: {problem}")
+    if model.config._attn_implementation == CP_ATTENTION:
         return
-    if impl != "sdpa":
-        raise NotImplementedError(f"context parallelism runs the model's attention as ring SDPA: the model uses "
-                                  f"attn_implementation={impl!r}, only 'sdpa' is supported")
-    if getattr(model.config, "sliding_window", None) and getattr(model.config, "use_sliding_window", True):
-        raise NotImplementedError("context parallelism: the model uses sliding-window attention (config.sliding_window"
-                                  f"={model.config.sliding_window}); only full causal attention is ring-sharded")
     _register_cp_attention()
     model.set_attn_implementation(CP_ATTENTION)
 
