@@ -184,3 +184,31 @@ def test_plan_shows_policy_tensor_parallel_groups_per_node(capsys):
     split = make_plan(cfg(3, 6, 4), 80)
     assert split.tp_groups[1] == "dp group 1: policy ranks 3-5 on node 0, 1"
     assert split.problems[0].startswith("policy.dtensor_cfg.tensor_parallel_size (3) must divide cluster.gpus_per_node (4)")
+
+
+def test_plan_counts_policy_context_parallel_groups():
+    """policy.dtensor_cfg.context_parallel_size=2 over 4 CPU ranks: dp groups {0,1} and {2,3}, each rank
+    labelled with its dp and cp coordinates; each rank holds full weights (CP splits tokens, not parameters),
+    so a GPU's trainer state is the unsharded replica's; a CP size not dividing the GPUs of a node is refused."""
+    def cfg(cp: int, num_workers: int, gpus_per_node: int):
+        return validate_config_dict({
+            "policy": {"model_name": "builtin:arith-tiny", "num_workers": num_workers, "train_global_batch_size": 128,
+                       "dtensor_cfg": {"context_parallel_size": cp, "enabled": False}},
+            "cluster": {"gpus_per_node": gpus_per_node, "num_nodes": 2},
+        })
+
+    plan = make_plan(cfg(2, 4, 0), 80)
+    assert plan.cp_groups == ["dp group 0: policy ranks 0-1 on one CPU rank per bundle",
+                              "dp group 1: policy ranks 2-3 on one CPU rank per bundle"]
+    assert [a.name for a in plan.actors if a.name.startswith("policy")] == [
+        f"policy rank {r} (dp {r // 2}, cp {r % 2})" for r in range(4)]
+    assert "policy context-parallel groups" in plan.render() and not plan.problems
+    on_gpus, replicas = make_plan(cfg(2, 4, 2), 80), make_plan(cfg(1, 4, 2), 80)
+    assert on_gpus.gpus[0].parts["gradients"] == pytest.approx(replicas.gpus[0].parts["gradients"])
+    assert on_gpus.cp_groups[1] == "dp group 1: policy ranks 2-3 on node 1" and not on_gpus.problems
+    odd = make_plan(validate_config_dict({
+        "policy": {"model_name": "builtin:arith-tiny", "num_workers": 2, "train_global_batch_size": 128,
+                   "dtensor_cfg": {"context_parallel_size": 2, "enabled": False}},
+        "cluster": {"gpus_per_node": 3, "num_nodes": 1}}), 80)
+    assert any(p.startswith("policy.dtensor_cfg.context_parallel_size (2) must divide cluster.gpus_per_node (3)")
+               for p in odd.problems), odd.problems

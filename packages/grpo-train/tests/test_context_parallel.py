@@ -252,3 +252,40 @@ def test_left_padded_rows_are_refused():
     _check_right_padded(torch.tensor([[1, 1, 1, 0]]))
     with pytest.raises(ValueError, match="right-padded rows"):
         _check_right_padded(torch.tensor([[0, 1, 1, 1]]))
+
+
+CP = {"context_parallel_size": 2, "enabled": False}
+
+
+@pytest.mark.parametrize(("policy", "key"), [
+    ({"dtensor_cfg": {**CP, "tensor_parallel_size": 2}}, "policy.dtensor_cfg.context_parallel_size"),
+    ({"dtensor_cfg": {"context_parallel_size": 2}}, "policy.dtensor_cfg.enabled: false"),
+    ({"dtensor_cfg": {**CP, "activation_checkpointing": True}}, "policy.dtensor_cfg.context_parallel_size"),
+    ({"dtensor_cfg": {**CP, "lora_cfg": {"enabled": True}}}, "policy.dtensor_cfg.context_parallel_size"),
+    ({"dtensor_cfg": CP, "sequence_packing": {"enabled": True}}, "policy.sequence_packing"),
+    ({"dtensor_cfg": CP, "moe_aux_loss_coeff": 0.01}, "policy.moe_aux_loss_coeff"),
+    ({"dtensor_cfg": {**CP, "context_parallel_size": 3}}, "policy.dtensor_cfg.context_parallel_size (3) must divide"),
+], ids=["tp", "fsdp2", "activation_checkpointing", "lora", "packing", "moe_aux", "num_workers"])
+def test_unsupported_combinations_are_refused_at_their_keys(policy, key):
+    from grpo_train.config import ConfigError, validate_config_dict
+
+    cfg = {"policy": {"num_workers": 4, "train_global_batch_size": 4, "train_micro_batch_size": 1, **policy}}
+    with pytest.raises(ConfigError) as err:
+        validate_config_dict(cfg)
+    assert key in str(err.value) and len(str(err.value).splitlines()) == 1, str(err.value)
+    ok = {"policy": {"num_workers": 4, "train_global_batch_size": 2, "train_micro_batch_size": 1, "dtensor_cfg": CP}}
+    assert validate_config_dict(ok).policy.dtensor_cfg.context_parallel_size == 2  # dp 2: 2 rows per step
+
+
+def test_models_cp_cannot_ring_are_refused_at_startup():
+    """Before any actor: a non-SDPA attention, a sliding window or attention soft-capping names the key."""
+    from transformers import Gemma2Config, MistralConfig
+
+    from grpo_train.policy.context_parallel import cp_model_problem
+
+    config = tiny_model("llama").config
+    assert cp_model_problem(config) is None
+    config._attn_implementation = "eager"
+    assert "attn_implementation='eager'" in cp_model_problem(config)
+    assert "sliding_window=64" in cp_model_problem(MistralConfig(sliding_window=64))
+    assert "soft-caps" in cp_model_problem(Gemma2Config(sliding_window=None, attn_logit_softcapping=50.0))

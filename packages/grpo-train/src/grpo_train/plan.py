@@ -188,6 +188,7 @@ class Plan:
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     tp_groups: list[str] = field(default_factory=list)  # the policy's tensor-parallel groups and their nodes
+    cp_groups: list[str] = field(default_factory=list)  # the policy's context-parallel groups and their nodes
 
     def render(self) -> str:
         lines = [f"model: {self.model.params / 1e9:.3f} B parameters ({self.model.source})", "actors:"]
@@ -198,6 +199,9 @@ class Plan:
         if self.tp_groups:
             lines.append("policy tensor-parallel groups:")
             lines += [f"  {group}" for group in self.tp_groups]
+        if self.cp_groups:
+            lines.append("policy context-parallel groups (full weights per rank, each row's tokens split):")
+            lines += [f"  {group}" for group in self.cp_groups]
         if self.gpus:
             cap = f" of {self.gpu_memory_gb:g} GB" if self.gpu_memory_gb else ""
             lines.append(f"memory per GPU (GB{cap}; activations and CUDA context not included):")
@@ -234,7 +238,8 @@ def make_plan(cfg: GRPOMasterConfig, gpu_memory_gb: float | None = None, model_p
     b = DTYPE_BYTES[policy.precision]
     workers = policy.num_workers
     tp_size = policy.dtensor_cfg.tensor_parallel_size  # ranks dp_rank * tp + tp_rank; TP shards every rank's model
-    dp = workers // tp_size
+    cp_size = policy.dtensor_cfg.context_parallel_size  # never with TP: ranks dp_rank * cp + cp_rank, full weights
+    dp = workers // (tp_size * cp_size)
     sharded = bool(g) and policy.dtensor_cfg.enabled is not False and dp > 1
     div = (dp if sharded else 1) * tp_size
     kl = cfg.loss_fn.reference_policy_kl_penalty > 0
@@ -246,6 +251,7 @@ def make_plan(cfg: GRPOMasterConfig, gpu_memory_gb: float | None = None, model_p
     for r, (node, dev) in enumerate(ranks):
         bundle = f"policy[{r}] {{GPU:1,CPU:1}}" if g else f"policy[{r}] {{CPU:1}}"
         name = f"policy rank {r}" + (f" (dp {r // tp_size}, tp {r % tp_size})" if tp_size > 1 else "")
+        name += f" (dp {r // cp_size}, cp {r % cp_size})" if cp_size > 1 else ""
         actors.append(Actor(name, node, bundle, 1.0 if g else 0.0, dev))
         if kl:
             actors.append(Actor(f"  reference (in rank {r})", node, bundle, 0.0, dev))
@@ -306,6 +312,7 @@ def make_plan(cfg: GRPOMasterConfig, gpu_memory_gb: float | None = None, model_p
 
     plan = Plan(actors, gpus, gpu_memory_gb if g else None, model)
     _tp_groups(plan, ranks, tp_size, g)
+    _cp_groups(plan, ranks, cp_size, g)
     _check(cfg, plan, next_gpu)
     return plan
 
@@ -323,6 +330,21 @@ def _tp_groups(plan: Plan, ranks: Sequence[tuple[int | None, int | None]], tp_si
     if gpus_per_node and gpus_per_node % tp_size:
         plan.problems.append(f"policy.dtensor_cfg.tensor_parallel_size ({tp_size}) must divide cluster.gpus_per_node "
                              f"({gpus_per_node}): a tensor-parallel group's ranks stay on one node")
+
+
+def _cp_groups(plan: Plan, ranks: Sequence[tuple[int | None, int | None]], cp_size: int, gpus_per_node: int) -> None:
+    """The policy's context-parallel groups (ranks d * cp .. d * cp + cp - 1, a ring each) and their nodes;
+    a ring split across nodes (cp not dividing cluster.gpus_per_node) is a problem."""
+    if cp_size == 1:
+        return
+    for d in range(len(ranks) // cp_size):
+        members = range(d * cp_size, (d + 1) * cp_size)
+        nodes = sorted({node for r in members if (node := ranks[r][0]) is not None})
+        where = ("node " + ", ".join(map(str, nodes))) if nodes else "one CPU rank per bundle"
+        plan.cp_groups.append(f"dp group {d}: policy ranks {members[0]}-{members[-1]} on {where}")
+    if gpus_per_node and gpus_per_node % cp_size:
+        plan.problems.append(f"policy.dtensor_cfg.context_parallel_size ({cp_size}) must divide cluster.gpus_per_node "
+                             f"({gpus_per_node}): a context-parallel ring's ranks stay on one node")
 
 
 def _trainer_memory(load: GpuLoad, P: int, b: int, div: int, reference: bool, offload: bool) -> None:
