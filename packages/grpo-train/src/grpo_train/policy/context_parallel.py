@@ -37,12 +37,16 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from grpo_train.policy.logprobs import IGNORE_INDEX, _target_logprobs
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 # The attention implementation a model runs under CP: transformers' SDPA attention unchanged, with a
 # mask function that builds no mask during a CP forward. transformers would otherwise read the
@@ -91,7 +95,7 @@ def check_torch_api() -> None:
                            "API as of 2.13 (grpo_train.policy.context_parallel): " + "; ".join(problems))
 
 
-def _sharded_mesh(op_name: str, args: tuple) -> object:
+def _sharded_mesh(op_name: str, args: tuple) -> DeviceMesh:
     """The 1-D CP mesh of the DTensor arguments; refuses any other layout (this is CP's op only)."""
     from torch.distributed.tensor import DTensor, Shard
 
@@ -215,12 +219,13 @@ def cp_model_problem(config) -> str | None:
 
 def use_cp_attention(model: torch.nn.Module) -> None:
     """Switch a model on transformers' SDPA attention to CP_ATTENTION (idempotent); refuse any other."""
-    if (problem := cp_model_problem(model.config)) is not None:
+    hf_model = cast(Any, model)  # a transformers PreTrainedModel
+    if (problem := cp_model_problem(hf_model.config)) is not None:
         raise NotImplementedError(f"policy.dtensor_cfg.context_parallel_size: {problem}")
-    if model.config._attn_implementation == CP_ATTENTION:
+    if hf_model.config._attn_implementation == CP_ATTENTION:
         return
     _register_cp_attention()
-    model.set_attn_implementation(CP_ATTENTION)
+    hf_model.set_attn_implementation(CP_ATTENTION)
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -262,7 +267,7 @@ def cp_sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attent
     targets = F.pad(ids[:, 1:].masked_fill(mask[:, 1:] == 0, IGNORE_INDEX), (0, 1), value=IGNORE_INDEX)
     positions = torch.arange(width, device=ids.device).expand(B, width).contiguous()
     ids, targets = ids.contiguous(), targets.contiguous()
-    backbone = getattr(model, model.base_model_prefix)
+    backbone = getattr(model, cast(Any, model).base_model_prefix)
     buffers = [ids, positions, targets]
     token = _CP_CALL.set(True)
     try:
