@@ -82,7 +82,6 @@ def rank_main(rank: int, port: int, model_dir: str, out_dir: str) -> None:
 def main() -> int:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "packages", "grpo-train", "tests"))
     from conftest import build_tiny_model
-
     from grpo_train.policy.worker import PolicyWorker
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -99,14 +98,20 @@ def main() -> int:
         want = {"logprobs": single.logprobs(batch), "metrics": single.train(batch)}
         want["gradients"], want["weights"] = single.gradients(), single.master_weights()
         worst: dict[str, float] = {}
+        outs = [torch.load(os.path.join(tmp, f"rank{rank}.pt")) for rank in range(DP * CP)]
+        # the loss is a sum over the step's tokens: each dp group reports its share, PolicyGroup adds them
+        # (combine_metrics over one rank per dp group); the cp ranks of a group report the same share
+        loss = sum(outs[d * CP]["metrics"]["loss"] for d in range(DP))
+        worst["loss"] = abs(loss - want["metrics"]["loss"]) / abs(want["metrics"]["loss"])
         for rank in range(DP * CP):
-            got = torch.load(os.path.join(tmp, f"rank{rank}.pt"))
+            got = outs[rank]
             dp_rank = rank // CP
+            worst["cp ranks' loss"] = max(worst.get("cp ranks' loss", 0.0),
+                                          abs(got["metrics"]["loss"] - outs[dp_rank * CP]["metrics"]["loss"]))
             lp = want["logprobs"][2 * dp_rank: 2 * dp_rank + 2]
             worst["logprobs"] = max(worst.get("logprobs", 0.0), float((got["logprobs"] - lp).norm() / lp.norm()))
-            for key in ("loss", "grad_norm"):
-                rel = abs(got["metrics"][key] - want["metrics"][key]) / abs(want["metrics"][key])
-                worst[key] = max(worst.get(key, 0.0), rel)
+            rel = abs(got["metrics"]["grad_norm"] - want["metrics"]["grad_norm"]) / want["metrics"]["grad_norm"]
+            worst["grad_norm"] = max(worst.get("grad_norm", 0.0), rel)
             for what in ("gradients", "weights"):
                 for name, tensor in want[what].items():
                     rel = float((got[what][name] - tensor).norm() / tensor.norm().clamp_min(1e-12))
