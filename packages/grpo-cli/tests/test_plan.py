@@ -244,3 +244,33 @@ def test_plan_lays_out_tp_and_dp_groups_of_the_policy_and_engines_on_two_nodes()
     too_wide = make_plan(cfg(workers=4, engine_tp=6, separate=True), 80).problems  # 6 fits 12 heads, not a node
     assert too_wide[0] == ("policy.generation.vllm_cfg.tensor_parallel_size (6): the engine needs 6 GPUs in one "
                            "bundle, more than a node's cluster.gpus_per_node (4)")
+
+
+def test_plan_counts_policy_context_parallel_groups():
+    """policy.dtensor_cfg.context_parallel_size=2 over 4 CPU ranks: dp groups {0,1} and {2,3}, each rank
+    labelled with its dp and cp coordinates; each rank holds full weights (CP splits tokens, not parameters),
+    so a GPU's trainer state is the unsharded replica's; a CP size not dividing the GPUs of a node is refused."""
+    def cfg(cp: int, num_workers: int, gpus_per_node: int):
+        return validate_config_dict({
+            "policy": {"model_name": "builtin:arith-tiny", "num_workers": num_workers, "train_global_batch_size": 128,
+                       "dtensor_cfg": {"context_parallel_size": cp, "enabled": False}},
+            "cluster": {"gpus_per_node": gpus_per_node, "num_nodes": 2},
+        })
+
+    plan = make_plan(cfg(2, 4, 0), 80)
+    assert plan.layout is not None and plan.layout.cp_groups() == [[0, 1], [2, 3]]
+    assert plan.layout.dp_groups() == [[0, 2], [1, 3]]
+    assert [a.name for a in plan.actors if a.name.startswith("policy")] == [
+        f"policy rank {r} (dp {r // 2}, cp {r % 2})" for r in range(4)]
+    assert "policy process groups: dp 2 x cp 2 x tp 1 (rank = (dp_rank * 2 + cp_rank) * 1 + tp_rank)" in plan.render()
+    assert not plan.problems
+    on_gpus, replicas = make_plan(cfg(2, 4, 2), 80), make_plan(cfg(1, 4, 2), 80)
+    assert on_gpus.gpus[0].parts["gradients"] == pytest.approx(replicas.gpus[0].parts["gradients"])
+    assert on_gpus.layout is not None and "node 1: cp group 1 = ranks [2, 3]" in on_gpus.layout.lines()
+    assert not on_gpus.problems
+    odd = make_plan(validate_config_dict({
+        "policy": {"model_name": "builtin:arith-tiny", "num_workers": 2, "train_global_batch_size": 128,
+                   "dtensor_cfg": {"context_parallel_size": 2, "enabled": False}},
+        "cluster": {"gpus_per_node": 3, "num_nodes": 1}}), 80)
+    assert any(p.startswith("policy.dtensor_cfg.context_parallel_size (2) must divide cluster.gpus_per_node (3)")
+               for p in odd.problems), odd.problems

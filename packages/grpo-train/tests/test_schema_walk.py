@@ -126,7 +126,7 @@ TABLE = {
     "policy.dtensor_cfg.sequence_parallel": T("packages/grpo-train/tests/test_tp_workers.py::test_tp2_ranks_match_one_worker"),
     "policy.dtensor_cfg.activation_checkpointing": T("packages/grpo-train/tests/test_policy_group.py::test_activation_checkpointing_keeps_the_gradients"),
     "policy.dtensor_cfg.tensor_parallel_size": T("packages/grpo-train/tests/test_tp_workers.py::test_tp2_ranks_match_one_worker"),
-    "policy.dtensor_cfg.context_parallel_size": Refused(2),
+    "policy.dtensor_cfg.context_parallel_size": T("packages/grpo-train/tests/test_context_parallel.py::test_cp2_model_and_policy_workers_match_one_unsharded"),
     "policy.dtensor_cfg.custom_parallel_plan": R("grpo_train/policy/worker.py"),
     "policy.dtensor_cfg.lora_cfg.enabled": T("packages/grpo-train/tests/test_lora.py::test_only_adapters_require_grad_and_get_optimizer_state"),
     "policy.dtensor_cfg.lora_cfg.target_modules": T("packages/grpo-train/tests/test_lora.py::test_target_modules_select_layers_and_exclude_modules_remove_them"),

@@ -325,7 +325,8 @@ def make_plan(cfg: GRPOMasterConfig, gpu_memory_gb: float | None = None, model_p
     b = DTYPE_BYTES[policy.precision]
     workers = policy.num_workers
     tp_size = policy.dtensor_cfg.tensor_parallel_size  # ranks dp_rank * tp + tp_rank; TP shards every rank's model
-    dp = workers // tp_size
+    cp_size = policy.dtensor_cfg.context_parallel_size  # never with TP: ranks dp_rank * cp + cp_rank, full weights
+    dp = workers // (tp_size * cp_size)
     sharded = bool(g) and policy.dtensor_cfg.enabled is not False and dp > 1
     div = (dp if sharded else 1) * tp_size
     kl = cfg.loss_fn.reference_policy_kl_penalty > 0
@@ -337,6 +338,7 @@ def make_plan(cfg: GRPOMasterConfig, gpu_memory_gb: float | None = None, model_p
     for r, (node, dev) in enumerate(ranks):
         bundle = f"policy[{r}] {{GPU:1,CPU:1}}" if g else f"policy[{r}] {{CPU:1}}"
         name = f"policy rank {r}" + (f" (dp {r // tp_size}, tp {r % tp_size})" if tp_size > 1 else "")
+        name += f" (dp {r // cp_size}, cp {r % cp_size})" if cp_size > 1 else ""
         actors.append(Actor(name, node, bundle, 1.0 if g else 0.0, dev))
         if kl:
             actors.append(Actor(f"  reference (in rank {r})", node, bundle, 0.0, dev))
@@ -425,6 +427,10 @@ def _check_tensor_parallel(cfg: GRPOMasterConfig, plan: Plan, gpus_per_node: int
     if tp_size > 1 and gpus_per_node and gpus_per_node % tp_size:
         plan.problems.append(f"policy.dtensor_cfg.tensor_parallel_size ({tp_size}) must divide cluster.gpus_per_node "
                              f"({gpus_per_node}): a tensor-parallel group's ranks stay on one node")
+    cp_size = cfg.policy.dtensor_cfg.context_parallel_size
+    if cp_size > 1 and gpus_per_node and gpus_per_node % cp_size:
+        plan.problems.append(f"policy.dtensor_cfg.context_parallel_size ({cp_size}) must divide cluster.gpus_per_node "
+                             f"({gpus_per_node}): a context-parallel ring's ranks stay on one node")
     gen = cfg.policy.generation
     engine_tp = gen.vllm_cfg.tensor_parallel_size if gen.backend == "vllm" else 1
     if engine_tp > 1 and config is not None and (problem := engine_tp_problem(config, engine_tp)):

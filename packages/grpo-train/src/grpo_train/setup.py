@@ -137,6 +137,13 @@ def check_model_options(cfg: GRPOMasterConfig, model_path: str) -> None:
                 f"{cfg.policy.dtensor_cfg.enabled}, {dp} data-parallel rank(s), "
                 f"{'GPUs' if cfg.cluster.gpus_per_node else 'CPU ranks'}); set float32 or policy.dtensor_cfg.enabled "
                 f"true with more than one data-parallel rank")
+    if cfg.policy.dtensor_cfg.context_parallel_size > 1:
+        from transformers import AutoConfig
+
+        from grpo_train.policy.context_parallel import cp_model_problem  # torch: only for CP runs
+
+        if (problem := cp_model_problem(AutoConfig.from_pretrained(model_path))) is not None:
+            raise StartupError(f"policy.dtensor_cfg.context_parallel_size: {problem}")
     if cfg.policy.dtensor_cfg.lora_cfg.enabled:
         from grpo_train.policy.lora import LoRAConfigError, check_lora_for_model_path  # torch: only for LoRA runs
 

@@ -81,8 +81,9 @@ class PolicyGroup(RankGroup):
         self.cfg = policy_cfg
         self.world_size = policy_cfg.num_workers
         # Tensor parallelism: ranks dp_rank * tp + tp_rank; a dp group's tp ranks take the same rows and
-        # report the same results, of which its first rank's are kept.
-        self.tp = policy_cfg.dtensor_cfg.tensor_parallel_size
+        # report the same results, of which its first rank's are kept. Context parallelism (never with TP)
+        # groups its cp ranks the same way: `tp` below counts a dp group's ranks, tp x cp.
+        self.tp = policy_cfg.dtensor_cfg.tensor_parallel_size * policy_cfg.dtensor_cfg.context_parallel_size
         self.dp = self.world_size // self.tp
         bundles, strategy = worker_bundles(cluster, self.world_size)
         self.placement_group = place_bundles(bundles, strategy)

@@ -88,9 +88,14 @@ class PolicyWorker:
         self.rank, self.world_size = rank, world_size
         # Tensor parallelism (policy/tensor_parallel.py): rank = dp_rank * tp_size + tp_rank (a dp x tp mesh);
         # the tp ranks of one dp group see the same rows, and gradients are reduced over dp only.
+        # Context parallelism (policy/context_parallel.py), never with TP: a dp x cp mesh laid out alike; the
+        # cp ranks of a dp group see the same rows and shard each row's tokens; gradients sum over cp, then dp.
         self.tp_size = policy_cfg.dtensor_cfg.tensor_parallel_size
-        self.dp_size, self.dp_rank = world_size // self.tp_size, rank // self.tp_size
-        self._dp_group = None  # the dp sub-mesh's process group under TP (None: the default group)
+        self.cp_size = policy_cfg.dtensor_cfg.context_parallel_size
+        group = self.tp_size * self.cp_size
+        self.dp_size, self.dp_rank = world_size // group, rank // group
+        self._dp_group = None  # the dp sub-mesh's process group under TP or CP (None: the default group)
+        self._cp_mesh = None  # the cp sub-mesh under CP (init_distributed)
         self.model_path = model_path
         self.temperature = policy_cfg.generation.temperature
         # fp32 masters, compute in policy.precision (precision.py): loaded in fp32, then the
@@ -128,6 +133,12 @@ class PolicyWorker:
         return root(fn, *args, **kwargs) if root is not None else fn(model, *args, **kwargs)
 
     def _logprobs(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self._cp_mesh is not None:  # the row's tokens sharded over cp, ring attention; full logprobs back
+            from grpo_train.policy.context_parallel import cp_sequence_logprobs
+
+            return self._run(model, cp_sequence_logprobs, batch["input_ids"], batch["attention_mask"],
+                             self.temperature, self._cp_mesh, fused=self.cfg.use_fused_kernels,
+                             chunk_size=self.cfg.logprob_chunk_size)
         return self._run(model, sequence_logprobs, batch["input_ids"], batch["attention_mask"], self.temperature,
                          fused=self.cfg.use_fused_kernels, chunk_size=self.cfg.logprob_chunk_size)
 
@@ -509,6 +520,8 @@ class PolicyWorker:
         shards = fsdp.uses_fsdp(self.cfg.dtensor_cfg, on_gpu, self.dp_size)
         if self.tp_size > 1:
             dp_mesh = self._tensor_parallel(device_type, masters_dtype=torch.float32 if shards else self.dtype)
+        if self.cp_size > 1:
+            dp_mesh = self._context_parallel(device_type, shards)
         if shards:
             self._shard(device_type, dp_mesh)
         elif on_gpu:  # dtensor_cfg.enabled: false on GPUs: full replicas, each on its rank's GPU
@@ -540,6 +553,24 @@ class PolicyWorker:
         self._sharded = True
         return mesh["dp"]
 
+    def _context_parallel(self, device_type: str, shards: bool):
+        """The dp x cp mesh (policy/context_parallel.py): the model and the reference keep full
+        weights; their forwards shard each row's tokens over cp. Returns the dp sub-mesh."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from grpo_train.policy.context_parallel import register_cpu_ring_attention, use_cp_attention
+
+        if shards:  # refused by the config for a set `enabled`; null shards on GPUs
+            raise ValueError("policy.dtensor_cfg.context_parallel_size > 1 with FSDP2 is not supported (untested); "
+                             "set policy.dtensor_cfg.enabled: false")
+        mesh = init_device_mesh(device_type, (self.dp_size, self.cp_size), mesh_dim_names=("dp", "cp"))
+        self._dp_group, self._cp_mesh = mesh["dp"].get_group(), mesh["cp"]
+        register_cpu_ring_attention()
+        for model in (self.model, self.reference):
+            if model is not None:
+                use_cp_attention(model)
+        return mesh["dp"]
+
     def _shard(self, device_type: str, mesh=None) -> None:
         """FSDP2 over a 1-D mesh of all ranks (under TP: the dp sub-mesh), the same on GPUs and
         CPUs (`fsdp.shard`); the reference model is sharded too. Only the device and the mesh's
@@ -566,9 +597,11 @@ class PolicyWorker:
         """Sum gradients over data-parallel ranks. Each rank's loss is divided by the global
         token (or sequence) count, so the sum is the single-worker gradient (GRPO-MATH.md).
         FSDP2 reduces its own gradients during backward."""
+        if self._cp_mesh is not None:  # each cp rank's gradients come from its tokens: their sum, then over dp
+            fsdp.sum_local_gradients(self.master.parameters(), self._cp_mesh.get_group())
         if self.dp_size == 1 or self._fsdp:
             return
-        if self.tp_size > 1:  # the tp ranks of a dp group hold different shards: sum over dp only
+        if self.tp_size > 1 or self._cp_mesh is not None:  # the tp ranks of a dp group hold different shards: sum over dp only
             fsdp.sum_local_gradients(self.master.parameters(), self._dp_group)
             return
         sum_gradients(self.master.parameters())  # the fp32 gradients

@@ -91,8 +91,13 @@ class DTensorConfig(Section):
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of storing them (any device)."""
     context_parallel_size: int = Field(default=1, ge=1)
-    """Not built (issue #22): only 1 is accepted. torch's context_parallel (ring attention) shards only the
-    CUDA SDPA kernels; on CPU it fails (benchmarks/tp/check_context_parallel.py), so no CPU test could prove it."""
+    """Context-parallel ranks per model replica (grpo_train.policy.context_parallel): policy.num_workers ranks
+    form a (num_workers / cp) x cp mesh; a dp group's cp ranks take the same rows and shard each row's tokens
+    (torch's context_parallel, head-tail load-balanced causal chunks), the model's SDPA attention runs as torch's
+    ring attention (on CPU through the CPU flash kernel), logprobs are gathered and gradients summed over cp.
+    Supported: right-padded rows, causal SDPA attention (no sliding window or soft-cap), fp32/bf16 replicas.
+    Refused: with tensor_parallel_size > 1, FSDP2 (needs enabled: false), sequence packing, LoRA,
+    activation_checkpointing, moe_aux_loss_coeff > 0 (each untested or unsupported under CP)."""
     custom_parallel_plan: str | None = None
     """A `module:object` tensor-parallel plan (a dict of module name -> ParallelStyle, or a callable
     (model, sequence_parallel) -> dict) used instead of the built-in one; needs tensor_parallel_size > 1."""
@@ -101,14 +106,26 @@ class DTensorConfig(Section):
 
     @field_validator("context_parallel_size")
     @classmethod
-    def _no_context_parallel(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("context parallelism of the policy is not built (issue #22): torch 2.13's context_parallel "
-                             "(ring attention) handles only the CUDA SDPA kernels, and on CPU/gloo it fails on the "
-                             "attention our models use (aten._scaled_dot_product_flash_attention_for_cpu has no sharding "
-                             "strategy; benchmarks/results/tp_cpu.md); set 1 and scale with policy.num_workers or "
-                             "tensor_parallel_size")
+    def _context_parallel_alone(cls, value: int, info: ValidationInfo) -> int:
+        if value == 1:
+            return value
+        if info.data.get("tensor_parallel_size", 1) > 1:
+            raise ValueError("context parallelism with tensor_parallel_size > 1 is not supported (untested); "
+                             "set one of them to 1")
+        if info.data.get("enabled") is not False:
+            raise ValueError("context parallelism with FSDP2 is not supported (untested): set "
+                             "policy.dtensor_cfg.enabled: false (full replicas, gradients summed over cp and dp)")
+        if info.data.get("activation_checkpointing"):
+            raise ValueError("context parallelism with activation_checkpointing: the recomputed forward would run "
+                             "outside the ring; set activation_checkpointing: false")
         return value
+
+    @model_validator(mode="after")
+    def _context_parallel_without_lora(self) -> DTensorConfig:
+        if self.context_parallel_size > 1 and self.lora_cfg.enabled:
+            raise ValueError("policy.dtensor_cfg.context_parallel_size > 1 with lora_cfg.enabled is not supported "
+                             "(untested); set context_parallel_size 1")
+        return self
 
     @field_validator("sequence_parallel")
     @classmethod
@@ -225,6 +242,8 @@ class PolicyConfig(Section):
     def _batching(self) -> PolicyConfig:
         if self.dynamic_batching.enabled and self.sequence_packing.enabled:
             raise ValueError("dynamic_batching and sequence_packing are mutually exclusive: enable at most one")
+        if (cp := self.dtensor_cfg.context_parallel_size) > 1:
+            self._check_context_parallel(cp)
         tp = self.dtensor_cfg.tensor_parallel_size
         if self.num_workers % tp:
             raise ValueError(f"policy.dtensor_cfg.tensor_parallel_size ({tp}) must divide policy.num_workers "
@@ -238,7 +257,7 @@ class PolicyConfig(Section):
                 f"data-parallel size policy.num_workers / tensor_parallel_size ({self.num_workers // tp}): each "
                 f"optimizer step splits evenly over the data-parallel groups"
             )
-        if self.train_global_batch_size % self.num_workers and tp == 1:
+        if self.train_global_batch_size % self.num_workers and tp == 1 and cp == 1:
             raise ValueError(
                 f"policy.train_global_batch_size ({self.train_global_batch_size}) must be a multiple of "
                 f"policy.num_workers ({self.num_workers}): each optimizer step splits evenly over the workers"
@@ -249,3 +268,19 @@ class PolicyConfig(Section):
                 f"train_micro_batch_size ({self.train_micro_batch_size})"
             )
         return self
+
+    def _check_context_parallel(self, cp: int) -> None:
+        if self.num_workers % cp:
+            raise ValueError(f"policy.dtensor_cfg.context_parallel_size ({cp}) must divide policy.num_workers "
+                             f"({self.num_workers}): the ranks form a (num_workers / cp) x cp mesh")
+        if self.train_global_batch_size % (self.num_workers // cp):
+            raise ValueError(f"policy.train_global_batch_size ({self.train_global_batch_size}) must be a multiple of "
+                             f"the data-parallel size policy.num_workers / context_parallel_size "
+                             f"({self.num_workers // cp})")
+        if self.sequence_packing.enabled:
+            raise ValueError("policy.sequence_packing with policy.dtensor_cfg.context_parallel_size > 1: packed "
+                             "(varlen) attention is not ring-sharded; disable sequence_packing or set "
+                             "context_parallel_size 1")
+        if self.moe_aux_loss_coeff > 0:
+            raise ValueError("policy.moe_aux_loss_coeff > 0 with policy.dtensor_cfg.context_parallel_size > 1 is not "
+                             "supported (the router loss would see one cp shard's tokens); set one of them to 0 / 1")
