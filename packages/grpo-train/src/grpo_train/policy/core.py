@@ -71,7 +71,7 @@ class WorkerCore:
     lockstep_microbatches = True
 
     cfg: Any  # the worker's config section: precision, optimizer, scheduler, max_grad_norm
-    model: torch.nn.Module
+    model: Any  # the subclass's torch.nn.Module (HF models' attributes are untyped)
     peft: Any  # peft.PeftModel over the model (or its backbone) under LoRA, else None
 
     def __init__(self, cfg: Any, seed: int, rank: int, world_size: int, num_threads: int | None):
@@ -227,7 +227,7 @@ class WorkerCore:
         adapters = {f"base_model.model.{k[len(prefix):]}": v for k, v in masters.items() if k.startswith(prefix)}
         self.peft.save_pretrained(str(folder / ADAPTER_DIR), safe_serialization=True, state_dict=adapters)
 
-    def _save_states(self, folder: Path, optimizer_state: dict) -> None:
+    def _save_states(self, folder: Path, optimizer_state: Any) -> None:
         """Optimizer, scheduler and torch RNG state as state files (STATE_FILES)."""
         states = {"optimizer": optimizer_state, "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state()}
         for key, stem in STATE_FILES.items():

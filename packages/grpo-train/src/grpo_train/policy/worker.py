@@ -279,7 +279,7 @@ class PolicyWorker(WorkerCore):
 
         return compute_tensors(iter_refit_tensors(self.model, gather=gather), self.dtype)
 
-    def save(self, folder: str) -> None:
+    def save(self, folder: str | Path) -> None:
         """Rank 0 writes the full model (HF safetensors in the compute dtype), the fp32 masters
         when they differ from it (`MASTERS_FILE`), optimizer, scheduler and RNG state.
         Every rank calls it: under FSDP2 the ranks gather the full tensors together, so a
@@ -328,7 +328,7 @@ class PolicyWorker(WorkerCore):
             if (Path(self.model_path) / name).is_file():
                 shutil.copyfile(Path(self.model_path) / name, folder / name)
 
-    def load(self, folder: str) -> None:
+    def load(self, folder: str | Path) -> None:
         """Load a checkpoint, whichever layout saved it. Unsharded: every rank reads it. FSDP2:
         rank 0 reads it and scatters it, so only rank 0 needs the folder and holds full tensors."""
         folder = Path(folder)
