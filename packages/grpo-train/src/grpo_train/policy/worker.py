@@ -8,38 +8,35 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
-import os
 from pathlib import Path
 
 import torch
 
 import grpo_kernels
-from grpo_train.actor_group import run_optimizer_steps, sum_gradients
+from grpo_train.actor_group import run_optimizer_steps
 from grpo_train.batch import batch_size, seq_mult_prob_error
 from grpo_train.config.schema import LossConfig, PolicyConfig
 from grpo_train.errors import NonFiniteLossError  # re-exported: its old home
 from grpo_train.policy import fsdp, microbatch
+from grpo_train.policy.core import ADAPTER_DIR, MASTERS_FILE, STATE_FILES, WorkerCore, read_states
 from grpo_train.policy.logprobs import packed_logprobs, sequence_logprobs
 from grpo_train.policy.lora import apply_lora
 from grpo_train.policy.moe_aux import RouterLogits
 from grpo_train.policy.offload import move_parts
-from grpo_train.policy.optim import apply_optimizer_config, build_optimizer, build_scheduler
-from grpo_train.policy.precision import DTYPES, MasterWeights, cast_parameters, compute_tensors
+from grpo_train.policy.precision import cast_parameters, compute_tensors
 from grpo_train.policy.tensor_parallel import apply_tensor_parallel
-from grpo_train.state_io import load_state, save_state
 
 # Metrics of clipped_pg_loss that are min/max rather than partial sums.
 _MIN_METRICS = ("ratio_min", "clipped_ratio_min")
 _MAX_METRICS = ("ratio_max", "clipped_ratio_max", "max_seq_mult_prob_error")
 # Tokenizer files of the source model that a checkpoint's model folder carries along, so that the
 # folder loads alone (vLLM in `grpo eval --checkpoint` reads its tokenizer from the model folder).
-MASTERS_FILE = "master_weights.safetensors"  # fp32 masters of a mixed-precision run (model/ holds the compute dtype)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
-# The worker's non-weight state: key in `read_checkpoint`'s dict -> state file stem (state_io).
-STATE_FILES = {"optimizer": "optimizer", "scheduler": "scheduler", "rng": "torch_rng"}
-ADAPTER_DIR = "adapter"  # a LoRA checkpoint's adapters in PEFT format (save_pretrained)
+# Re-exported: checkpoint names the core (core.py) owns; MASTERS_FILE holds the fp32 masters of a
+# mixed-precision run (model/ holds the compute dtype).
+__all__ = ["ADAPTER_DIR", "MASTERS_FILE", "STATE_FILES", "TOKENIZER_FILES", "NonFiniteLossError", "PolicyWorker",
+           "export_merged", "pg_loss_config", "read_checkpoint"]
 
 
 def export_merged(model: torch.nn.Module, merged: dict[str, torch.Tensor], folder: Path) -> None:
@@ -67,7 +64,7 @@ def read_checkpoint(folder: Path) -> dict:
     else:
         for shard in sorted((folder / "model").glob("*.safetensors")):
             model.update(load_file(shard))
-    return {"model": model, **{key: load_state(folder, stem) for key, stem in STATE_FILES.items()}}
+    return {"model": model, **read_states(folder)}
 
 
 def pg_loss_config(cfg: LossConfig) -> grpo_kernels.PGLossConfig:
@@ -75,17 +72,21 @@ def pg_loss_config(cfg: LossConfig) -> grpo_kernels.PGLossConfig:
     return cfg.loss_op_config()
 
 
-class PolicyWorker:
+class PolicyWorker(WorkerCore):
+    """The policy's own part of a rank (the rest is `WorkerCore`'s): logprobs of the current and
+    the reference weights, the clipped policy-gradient loss (with the MoE auxiliary loss), FSDP2
+    and tensor parallelism, offload for a colocated engine, and the refit senders."""
+
+    metric_prefix, step_name = "", "training"
+    min_metrics, max_metrics = _MIN_METRICS, _MAX_METRICS
+    cfg: PolicyConfig
+
     def __init__(self, model_path: str, policy_cfg: PolicyConfig, loss_cfg: LossConfig, seed: int,
                  rank: int = 0, world_size: int = 1, num_threads: int | None = None):
         from transformers import AutoModelForCausalLM
 
-        if num_threads:
-            torch.set_num_threads(num_threads)
-        torch.manual_seed(seed + rank)
-        self.cfg = policy_cfg
+        super().__init__(policy_cfg, seed + rank, rank, world_size, num_threads)
         self.loss_cfg = pg_loss_config(loss_cfg)
-        self.rank, self.world_size = rank, world_size
         # Tensor parallelism (policy/tensor_parallel.py): rank = dp_rank * tp_size + tp_rank (a dp x tp mesh);
         # the tp ranks of one dp group see the same rows, and gradients are reduced over dp only.
         # Context parallelism (policy/context_parallel.py), never with TP: a dp x cp mesh laid out alike; the
@@ -94,32 +95,24 @@ class PolicyWorker:
         self.cp_size = policy_cfg.dtensor_cfg.context_parallel_size
         group = self.tp_size * self.cp_size
         self.dp_size, self.dp_rank = world_size // group, rank // group
-        self._dp_group = None  # the dp sub-mesh's process group under TP or CP (None: the default group)
-        self._cp_mesh = None  # the cp sub-mesh under CP (init_distributed)
         self.model_path = model_path
         self.temperature = policy_cfg.generation.temperature
-        # fp32 masters, compute in policy.precision (precision.py): loaded in fp32, then the
-        # module's parameters become the compute copy; the frozen reference computes alike.
-        self.dtype = DTYPES[policy_cfg.precision]
+        # fp32 masters, compute in policy.precision (precision.py, `WorkerCore._build_optimizer`);
+        # the frozen reference computes alike.
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         self.model.train()
         self.reference = None
         # LoRA (policy/lora.py): adapters injected into self.model in place; self.peft wraps it for
         # disable_adapter (the reference: the same base weights, no copy) and save_pretrained.
-        self.peft = None
         if policy_cfg.dtensor_cfg.lora_cfg.enabled:
             self.peft = apply_lora(self.model, policy_cfg.dtensor_cfg.lora_cfg, seed)
         elif loss_cfg.reference_policy_kl_penalty > 0:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
             cast_parameters(self.reference, self.dtype)
-        self.master = MasterWeights(self.model, self.dtype)
+        self._build_optimizer(self.dtype)
         self._router = None  # records router logits for the MoE load-balancing loss (moe_aux.py)
         if policy_cfg.moe_aux_loss_coeff > 0:
             self._router = RouterLogits(self.model)
-        self.optimizer = build_optimizer(self.master.parameters(), policy_cfg.optimizer)
-        self.scheduler = build_scheduler(self.optimizer, policy_cfg.scheduler)
-        self._sharded = False  # parameters are DTensors (FSDP2 and/or TP): gathers are collectives; init_distributed
-        self._fsdp = False  # FSDP2 reduces the gradients over dp (init_distributed)
         self._roots: dict[int, torch.nn.Module] = {}  # id(model) -> its FSDP2 root (fsdp.ForwardRoot)
         self._weight_group = None  # the collective weight transport's group (rank 0 only)
         self._home = torch.device("cpu")  # where this rank computes (its GPU once init_distributed moved it)
@@ -155,33 +148,8 @@ class PolicyWorker:
                          chunk_size=self.cfg.logprob_chunk_size)
         return microbatch.unpack_rows(flat, packed)
 
-    def _dummy(self, batch: dict[str, torch.Tensor], planner: microbatch.Planner,
-               lengths: list[int]) -> tuple[dict[str, torch.Tensor], microbatch.MicroBatch]:
-        """A micro-batch whose result is thrown away, run to keep this rank in step with ranks
-        that have more; a rank given no rows (batch smaller than the ranks) runs two pad tokens."""
-        if not lengths:
-            width = microbatch.MIN_WIDTH
-            batch = {"input_ids": torch.zeros(1, width, dtype=torch.long),
-                     "attention_mask": torch.ones(1, width, dtype=torch.long)}
-            lengths = [width]
-        return batch, planner.dummy(lengths, batch["input_ids"].shape[1])
-
-    def _plan(self, batch: dict[str, torch.Tensor], purpose: microbatch.Purpose):
-        """This rank's planner, row lengths and micro-batches (none for an empty share)."""
-        planner = microbatch.make_planner(self.cfg, purpose)
-        lengths = microbatch.row_lengths(batch["attention_mask"])
-        return planner, lengths, planner.plan(lengths, batch["input_ids"].shape[1]) if lengths else []
-
-    def _agree_microbatch_count(self, n: int) -> int:
-        """Micro-batches every data-parallel rank runs: the most any rank has. Ranks with fewer
-        run dummy ones, so collectives inside forward/backward (FSDP) stay matched."""
-        import torch.distributed as dist
-
-        if self.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
-            return n
-        count = torch.tensor([n], dtype=torch.int64, device=next(self.model.parameters()).device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        return int(count.item())
+    def _planner(self, purpose: microbatch.Purpose) -> microbatch.Planner:
+        return microbatch.make_planner(self.cfg, purpose)
 
     @torch.no_grad()
     def logprobs(self, batch: dict[str, torch.Tensor], reference: bool = False) -> torch.Tensor:
@@ -196,15 +164,7 @@ class PolicyWorker:
         return self._logprobs_of(model, batch)
 
     def _logprobs_of(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        out = torch.zeros(batch_size(batch), batch["input_ids"].shape[1])
-        planner, lengths, plan = self._plan(batch, "logprob")
-        for i in range(self._agree_microbatch_count(len(plan))):
-            if i >= len(plan):  # keeps this rank in step; the result is not used
-                self._microbatch_logprobs(model, *self._dummy(batch, planner, lengths))
-                continue
-            lp = self._microbatch_logprobs(model, batch, plan[i])  # [rows, W]
-            out[torch.tensor(plan[i].rows), : lp.shape[1]] = lp.float().cpu()
-        return out
+        return self._forward_rows(batch, lambda rows, mb: self._microbatch_logprobs(model, rows, mb))
 
     @torch.no_grad()
     def logprobs_and_reference(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -259,60 +219,32 @@ class PolicyWorker:
             return False
         return self._plan(batch, "logprob")[2] == self._plan(batch, "train")[2]
 
-    def _optimizer_step(self, batch: dict[str, torch.Tensor], global_tokens: float, global_seqs: float) -> dict[str, float]:
-        self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        lr = self.scheduler.get_last_lr()[0]
-        planner, lengths, plan = self._plan(batch, "train")
-        for i in range(self._agree_microbatch_count(len(plan))):
-            if i >= len(plan):  # keeps this rank in step: gradients of exactly zero
-                curr = self._microbatch_logprobs(self.model, *self._dummy(batch, planner, lengths))
-                (curr.sum() * 0.0).backward()
-                self.master.accumulate()
-                continue
-            with self._router.capture() if self._router is not None else contextlib.nullcontext():
-                curr = self._microbatch_logprobs(self.model, batch, plan[i])  # [rows, W]
-            mb = microbatch.rows_of(batch, plan[i].rows, curr.shape[1], curr.device)
-            if self._reusing_prev:  # on-policy, one optimizer step: prev is this forward's logprobs
-                mb["prev_logprobs"] = curr.detach()  # [rows, W] fp32, as logprobs() stores them
-                err = self._seq_prob_error(batch, plan[i], mb["prev_logprobs"])
-                sums["max_seq_mult_prob_error"] = max(sums.get("max_seq_mult_prob_error", -math.inf), err)
-            loss, m = grpo_kernels.clipped_pg_loss(
-                curr, mb["prev_logprobs"], mb["gen_logprobs"], mb.get("ref_logprobs"), mb["advantages"],
-                mb["token_mask"], mb["sample_mask"], self.loss_cfg, global_tokens, global_seqs,
-            )
-            if self._router is not None:
-                aux = self._router.aux_loss(self._router_mask(batch, plan[i], mb, curr.device))
-                # a row-weighted mean over the step's micro-batches (summed over ranks like the loss)
-                term = self.cfg.moe_aux_loss_coeff * aux * len(plan[i].rows) / self.cfg.train_global_batch_size
-                loss = loss + term
-                m = {**m, "moe_aux_loss": float(term.detach())}
-            loss.backward()
-            self.master.accumulate()  # fp32 gradients (under FSDP2: its fp32 reduce-scatter)
-            sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
-            for key, value in m.items():
-                if key == "loss":  # summed just above (counting it twice reported 2x the loss)
-                    continue
-                value = float(value)
-                if key in _MIN_METRICS:
-                    sums[key] = min(sums.get(key, math.inf), value)
-                elif key in _MAX_METRICS:
-                    sums[key] = max(sums.get(key, -math.inf), value)
-                else:
-                    sums[key] = sums.get(key, 0.0) + value
-        sums.setdefault("loss", 0.0)  # a rank given no rows adds nothing
-        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else math.inf
-        self._reduce_gradients()
-        grad_norm = fsdp.clip_grad_norm(self.master.parameters(), max_norm)
-        if not (math.isfinite(sums["loss"]) and math.isfinite(grad_norm)):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteLossError(f"non-finite training step: loss={sums['loss']}, grad_norm={grad_norm}; "
-                                     "the optimizer step was skipped and the last checkpoint is intact")
-        self.optimizer.step()
-        self.master.refresh()
-        self.scheduler.step()
-        sums.update(grad_norm=grad_norm, lr=lr)
-        return sums
+    def _train_forward(self, batch: dict[str, torch.Tensor], mb: microbatch.MicroBatch) -> torch.Tensor:
+        return self._microbatch_logprobs(self.model, batch, mb)
+
+    def _microbatch_loss(self, batch: dict[str, torch.Tensor], plan: microbatch.MicroBatch, global_tokens: float,
+                         global_seqs: float) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
+        """clipped_pg_loss of one micro-batch (plus the MoE auxiliary loss); metrics in
+        `WorkerCore._optimizer_step`'s merge (min / max for _MIN_METRICS / _MAX_METRICS)."""
+        with self._router.capture() if self._router is not None else contextlib.nullcontext():
+            curr = self._microbatch_logprobs(self.model, batch, plan)  # [rows, W]
+        mb = microbatch.rows_of(batch, plan.rows, curr.shape[1], curr.device)
+        metrics: dict[str, float | torch.Tensor] = {}
+        if self._reusing_prev:  # on-policy, one optimizer step: prev is this forward's logprobs
+            mb["prev_logprobs"] = curr.detach()  # [rows, W] fp32, as logprobs() stores them
+            metrics["max_seq_mult_prob_error"] = self._seq_prob_error(batch, plan, mb["prev_logprobs"])
+        loss, m = grpo_kernels.clipped_pg_loss(
+            curr, mb["prev_logprobs"], mb["gen_logprobs"], mb.get("ref_logprobs"), mb["advantages"],
+            mb["token_mask"], mb["sample_mask"], self.loss_cfg, global_tokens, global_seqs,
+        )
+        if self._router is not None:
+            aux = self._router.aux_loss(self._router_mask(batch, plan, mb, curr.device))
+            # a row-weighted mean over the step's micro-batches (summed over ranks like the loss)
+            term = self.cfg.moe_aux_loss_coeff * aux * len(plan.rows) / self.cfg.train_global_batch_size
+            loss = loss + term
+            m = {**m, "moe_aux_loss": float(term.detach())}
+        # m's own "loss" is left out: the step's loss is the one returned (counting both reported 2x the loss)
+        return loss, {**metrics, "loss": loss.detach(), **{k: v for k, v in m.items() if k != "loss"}}
 
     @staticmethod
     def _seq_prob_error(batch: dict[str, torch.Tensor], mb: microbatch.MicroBatch, prev: torch.Tensor) -> float:
@@ -357,14 +289,7 @@ class PolicyWorker:
 
         return compute_tensors(iter_refit_tensors(self.model, gather=gather), self.dtype)
 
-    def master_weights(self) -> dict[str, torch.Tensor]:
-        """The fp32 master weights by parameter name on CPU (full tensors: under FSDP2 every rank
-        calls it, to gather)."""
-        if not self._sharded:
-            return self.master.state()
-        return {name: fsdp.full(p.detach()).to("cpu", copy=True) for name, p in self.model.named_parameters()}
-
-    def save(self, folder: str) -> None:
+    def save(self, folder: str | Path) -> None:
         """Rank 0 writes the full model (HF safetensors in the compute dtype), the fp32 masters
         when they differ from it (`MASTERS_FILE`), optimizer, scheduler and RNG state.
         Every rank calls it: under FSDP2 the ranks gather the full tensors together, so a
@@ -382,21 +307,15 @@ class PolicyWorker:
         model_state = dict(compute_tensors(masters.items(), self.dtype)) if self._sharded else None
         self.model.save_pretrained(folder / "model", state_dict=model_state, safe_serialization=True)
         if self.dtype != torch.float32:
-            from safetensors.torch import save_file
-
-            save_file({k: v.detach().clone().contiguous() for k, v in masters.items()}, str(folder / MASTERS_FILE))
+            self._save_masters(folder, masters)
         self._copy_tokenizer(folder / "model")
-        states = {"optimizer": optimizer_state, "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state()}
-        for key, stem in STATE_FILES.items():
-            save_state(states[key], folder, stem)
+        self._save_states(folder, optimizer_state)
 
     def _save_lora(self, folder: Path, keep: bool) -> None:
         """A LoRA checkpoint: the adapters in PEFT format (`ADAPTER_DIR`, loadable with
         `PeftModel.from_pretrained` on the base model), their fp32 masters (`MASTERS_FILE`, what
         resume reads), optimizer, scheduler and RNG state, and under model/ the merged HF model
         in the compute dtype (what `grpo eval --checkpoint` and a vLLM engine load: the export)."""
-        from safetensors.torch import save_file
-
         if self._sharded:
             masters = {k: v for k, v in fsdp.full_model_state(self.model).items() if k in set(self.master.names)}
         else:
@@ -406,16 +325,11 @@ class PolicyWorker:
         merged = dict(self._refit_tensors())  # collective under FSDP2: every rank iterates
         if not keep:
             return
-        assert self.peft is not None
-        # PeftModel's names are the injected model's under base_model.model.
-        self.peft.save_pretrained(str(folder / ADAPTER_DIR), safe_serialization=True,
-                                  state_dict={f"base_model.model.{k}": v for k, v in masters.items()})
-        save_file({k: v.detach().clone().contiguous() for k, v in masters.items()}, str(folder / MASTERS_FILE))
+        self._save_adapters(folder, masters)
+        self._save_masters(folder, masters)
         export_merged(self.model, merged, folder / "model")
         self._copy_tokenizer(folder / "model")
-        states = {"optimizer": optimizer_state, "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state()}
-        for key, stem in STATE_FILES.items():
-            save_state(states[key], folder, stem)
+        self._save_states(folder, optimizer_state)
 
     def _copy_tokenizer(self, folder: Path) -> None:
         import shutil
@@ -424,7 +338,7 @@ class PolicyWorker:
             if (Path(self.model_path) / name).is_file():
                 shutil.copyfile(Path(self.model_path) / name, folder / name)
 
-    def load(self, folder: str) -> None:
+    def load(self, folder: str | Path) -> None:
         """Load a checkpoint, whichever layout saved it. Unsharded: every rank reads it. FSDP2:
         rank 0 reads it and scatters it, so only rank 0 needs the folder and holds full tensors."""
         folder = Path(folder)
@@ -437,12 +351,10 @@ class PolicyWorker:
                                             if k not in self.master.names}, strict=False)
             if error:
                 raise RuntimeError(f"checkpoint {folder} does not match the model: {error}")
-            self.optimizer.load_state_dict(ckpt["optimizer"])
-        else:
-            ckpt = self._scatter_checkpoint(read_checkpoint(folder) if self.rank == 0 else None, folder)
-        self.scheduler.load_state_dict(ckpt["scheduler"])
-        apply_optimizer_config(self.optimizer, self.scheduler, self.cfg.optimizer)
-        torch.set_rng_state(ckpt["rng"])
+            self._restore_states(ckpt)
+        else:  # the optimizer's shards are loaded by the scatter
+            self._restore_states(self._scatter_checkpoint(read_checkpoint(folder) if self.rank == 0 else None, folder),
+                                 optimizer=False)
 
     def _scatter_checkpoint(self, ckpt: dict | None, folder: Path) -> dict:
         """Rank 0's checkpoint (None on the other ranks) into every rank's shards. Rank 0 checks
@@ -460,9 +372,6 @@ class PolicyWorker:
         self.optimizer.load_state_dict(
             fsdp.scatter_optimizer_state(self.optimizer, header["optimizer"], ckpt["optimizer"] if ckpt is not None else None))
         return header
-
-    def ping(self) -> int:
-        return os.getpid()
 
     # ------------------------------------------- colocated memory choreography (colocation.py)
     def offload(self, parts: tuple[str, ...]) -> None:
@@ -484,24 +393,11 @@ class PolicyWorker:
 
     # ------------------------------------------------- data parallelism and weight transports
     # Called by grpo_train.policy.group (one Ray actor per rank) and the transports of grpo_train.refit.
-    def free_address(self) -> tuple[str, int]:
-        from grpo_train.refit.buckets import free_address
-
-        return free_address()
-
-    def whereabouts(self) -> dict[str, object]:
-        """Where this rank runs: Ray node id, IP and pid."""
-        import ray
-
-        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "pid": os.getpid(), "rank": self.rank}
-
     def init_distributed(self, master_addr: str, port: int) -> bool:
         """Join the process group (NCCL on GPUs, gloo on CPU); under `dtensor_cfg.tensor_parallel_size`
         > 1 build the dp x tp mesh and tensor-parallelize the model over tp (`_tensor_parallel`); and,
         as `dtensor_cfg.enabled` says (`fsdp.uses_fsdp`, counted in dp ranks), shard it with FSDP2 over
         dp. Every rank calls it at once; returns whether this rank's parameters are DTensors."""
-        import torch.distributed as dist
 
         if self.cfg.dtensor_cfg.activation_checkpointing:
             self.model.gradient_checkpointing_enable()
@@ -512,9 +408,7 @@ class PolicyWorker:
             self._home = torch.device("cuda", torch.cuda.current_device())
         if self.world_size == 1 and not on_gpu:
             return False
-        backend = "nccl" if on_gpu else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{port}", rank=self.rank,
-                                world_size=self.world_size)
+        self._join_process_group(master_addr, port, "nccl" if on_gpu else "gloo")
         device_type = "cuda" if on_gpu else "cpu"
         dp_mesh = None
         shards = fsdp.uses_fsdp(self.cfg.dtensor_cfg, on_gpu, self.dp_size)
@@ -547,9 +441,7 @@ class PolicyWorker:
                     torch.nn.Module.to(model, torch.device("cuda", torch.cuda.current_device()))
                 apply_tensor_parallel(model, mesh["tp"], dcfg.sequence_parallel, dcfg.custom_parallel_plan)
         # fp32 masters over the TP shards; the compute dtype's copy unless FSDP2 follows (its mixed precision)
-        self.master = MasterWeights(self.model, masters_dtype)
-        self.optimizer = build_optimizer(self.master.parameters(), self.cfg.optimizer)
-        self.scheduler = build_scheduler(self.optimizer, self.cfg.scheduler)
+        self._build_optimizer(masters_dtype)
         self._sharded = True
         return mesh["dp"]
 
@@ -588,32 +480,8 @@ class PolicyWorker:
                 offload = self.cfg.dtensor_cfg.cpu_offload and device_type == "cuda"  # CPU ranks are there already
                 self._roots[id(model)] = fsdp.shard(model, mesh, offload, self.dtype)
         # The optimizer must hold the sharded parameters; it has no state yet.
-        self.master = MasterWeights(self.model, torch.float32)
-        self.optimizer = build_optimizer(self.master.parameters(), self.cfg.optimizer)
-        self.scheduler = build_scheduler(self.optimizer, self.cfg.scheduler)
+        self._build_optimizer(torch.float32)
         self._sharded = self._fsdp = True
-
-    def _reduce_gradients(self) -> None:
-        """Sum gradients over data-parallel ranks. Each rank's loss is divided by the global
-        token (or sequence) count, so the sum is the single-worker gradient (GRPO-MATH.md).
-        FSDP2 reduces its own gradients during backward."""
-        if self._cp_mesh is not None:  # each cp rank's gradients come from its tokens: their sum, then over dp
-            fsdp.sum_local_gradients(self.master.parameters(), self._cp_mesh.get_group())
-        if self.dp_size == 1 or self._fsdp:
-            return
-        if self.tp_size > 1 or self._cp_mesh is not None:  # the tp ranks of a dp group hold different shards: sum over dp only
-            fsdp.sum_local_gradients(self.master.parameters(), self._dp_group)
-            return
-        sum_gradients(self.master.parameters())  # the fp32 gradients
-
-    def gradients(self) -> dict[str, torch.Tensor]:
-        """The last optimizer step's (reduced) gradients by parameter name, on CPU (full tensors:
-        under FSDP2 every rank calls it, to gather)."""
-        if not self._sharded:
-            return {name: m.grad.detach().to("cpu", copy=True)
-                    for name, m in zip(self.master.names, self.master.parameters()) if m.grad is not None}
-        return {name: fsdp.full(p.grad.detach()).to("cpu", copy=True)
-                for name, p in self.model.named_parameters() if p.grad is not None}
 
     def collective_backend(self) -> str:
         return "nccl" if torch.cuda.is_available() else "gloo"
