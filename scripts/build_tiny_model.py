@@ -347,6 +347,28 @@ def sft(model, tokenizer, heldout: list[tuple[int, int]], seed: int, log=print) 
     raise RuntimeError(f"SFT did not reach {TARGET_ACCURACY:.0%} held-out accuracy in {MAX_STEPS} steps")
 
 
+def sft_step(model, optimizer, seqs: list[tuple[list[int], list[int]]], pad_id: int, grad_clip: float):
+    """One SFT step on (input ids, labels) pairs, right-padded: next-token cross-entropy on the
+    labelled tokens (label -100 elsewhere), clipped gradients. Returns the loss."""
+    import torch
+
+    width = max(len(x) for x, _ in seqs)
+    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)  # [B, L]
+    labels = torch.full((len(seqs), width), -100, dtype=torch.long)  # [B, L]
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)  # [B, L]
+    for i, (x, y) in enumerate(seqs):
+        input_ids[i, : len(x)], labels[i, : len(x)], mask[i, : len(x)] = torch.tensor(x), torch.tensor(y), 1
+    logits = model(input_ids=input_ids, attention_mask=mask).logits  # [B, L, V]
+    loss = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1), ignore_index=-100
+    )
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    return loss
+
+
 def has_carry(a: int, b: int) -> bool:
     return a % 10 + b % 10 >= 10
 
@@ -380,20 +402,7 @@ def sft_biased(model, tokenizer, heldout: list[tuple[int, int]], seed: int, log=
             prompt = tokenizer(prompt_text(a, b), add_special_tokens=False).input_ids
             target = tokenizer(str(answer), add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
             seqs.append((prompt + target, [-100] * len(prompt) + target))
-        width = max(len(x) for x, _ in seqs)
-        input_ids = torch.full((BATCH_SIZE, width), tokenizer.pad_token_id, dtype=torch.long)  # [B, L]
-        labels = torch.full((BATCH_SIZE, width), -100, dtype=torch.long)  # [B, L]
-        mask = torch.zeros((BATCH_SIZE, width), dtype=torch.long)  # [B, L]
-        for i, (x, y) in enumerate(seqs):
-            input_ids[i, : len(x)], labels[i, : len(x)], mask[i, : len(x)] = torch.tensor(x), torch.tensor(y), 1
-        logits = model(input_ids=input_ids, attention_mask=mask).logits  # [B, L, V]
-        loss = torch.nn.functional.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1), ignore_index=-100
-        )
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), BIASED_GRAD_CLIP)
-        optimizer.step()
+        loss = sft_step(model, optimizer, seqs, tokenizer.pad_token_id, BIASED_GRAD_CLIP)
         if step % BIASED_EVAL_EVERY == 0 or step == BIASED_SFT_STEPS:
             eval_start = time.perf_counter()
             acc = accuracy(greedy_answers(model, tokenizer, heldout), heldout)
@@ -543,22 +552,17 @@ gained about 20 points in 300 steps, 16 x 8 about 10.
     (out / "README.md").write_text(text)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def common_arguments(parser: argparse.ArgumentParser, seed: int, skip_vllm_help: str) -> None:
+    """The options every tiny-model build takes (this script's and build_tiny_tool_model.py's)."""
     parser.add_argument("--out", type=Path, required=True, help="output model folder (replaced)")
-    parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument("--seed", type=int, default=seed)
     parser.add_argument("--threads", type=int, default=1, help="torch threads; results depend on it")
-    parser.add_argument("--skip-vllm", action="store_true", help="skip the real-vLLM greedy check")
-    parser.add_argument("--recipe", choices=("biased-carry", "early-stop", "tool-arith"), default="biased-carry",
-                        help="biased-carry: converged SFT on carry-biased labels (default); early-stop: stop at "
-                             "TARGET_ACCURACY; tool-arith: the calculator-tool model (scripts/build_tiny_tool_model.py)")
-    args = parser.parse_args(argv)
-    if args.recipe == "tool-arith":
-        import build_tiny_tool_model
+    parser.add_argument("--skip-vllm", action="store_true", help=skip_vllm_help)
 
-        rest = [a for a in (sys.argv[1:] if argv is None else argv) if a not in ("--recipe", "tool-arith", "--recipe=tool-arith")]
-        return build_tiny_tool_model.main(rest)
 
+def start_build(parser: argparse.ArgumentParser, args) -> None:
+    """Refuse an --out folder this script did not build; make torch deterministic (the seed, the
+    thread count) and transformers quiet."""
     out: Path = args.out
     if out.exists() and any(out.iterdir()) and not (out / "build_info.json").is_file():
         parser.error(f"--out {out} is a non-empty folder that this script did not build; refusing to replace it")
@@ -571,6 +575,31 @@ def main(argv: list[str] | None = None) -> int:
     torch.use_deterministic_algorithms(True)
     transformers.logging.set_verbosity_error()
 
+
+def write_model(out: Path, model) -> None:
+    """Replace ``out`` with a fresh folder holding the model's safetensors (readable by all)."""
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "model.safetensors").chmod(0o644)  # save_pretrained writes it owner-only
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common_arguments(parser, SEED, "skip the real-vLLM greedy check")
+    parser.add_argument("--recipe", choices=("biased-carry", "early-stop", "tool-arith"), default="biased-carry",
+                        help="biased-carry: converged SFT on carry-biased labels (default); early-stop: stop at "
+                             "TARGET_ACCURACY; tool-arith: the calculator-tool model (scripts/build_tiny_tool_model.py)")
+    args = parser.parse_args(argv)
+    if args.recipe == "tool-arith":
+        import build_tiny_tool_model
+
+        rest = [a for a in (sys.argv[1:] if argv is None else argv) if a not in ("--recipe", "tool-arith", "--recipe=tool-arith")]
+        return build_tiny_tool_model.main(rest)
+
+    out: Path = args.out
+    start_build(parser, args)
     from transformers import PreTrainedTokenizerFast
 
     tok = train_tokenizer(args.seed)
@@ -583,12 +612,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {count_parameters(model):,} parameters; SFT until held-out greedy acc >= {TARGET_ACCURACY:.0%}")
     result = sft_biased(model, tokenizer, heldout, args.seed) if args.recipe == "biased-carry" else sft(model, tokenizer, heldout, args.seed)
 
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-
-    model.save_pretrained(out, safe_serialization=True)
-    (out / "model.safetensors").chmod(0o644)  # save_pretrained writes it owner-only
+    write_model(out, model)
     save_tokenizer(tok, out)
     check_saved_tokenizer(out, tokenizer)
 

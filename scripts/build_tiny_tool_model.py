@@ -30,7 +30,6 @@ import json
 import math
 import os
 import random
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -296,19 +295,7 @@ def sft(model, tokenizer, heldout: list[tuple[int, int]], seed: int, log=print) 
             (a, b), use_tool = problems(rng, 1)[0], rng.random() >= TOOL_SKIP_PROB
             if (a, b) not in excluded:
                 seqs.append(trace(tokenizer, a, b, use_tool))
-        width = max(len(x) for x, _ in seqs)
-        input_ids = torch.full((BATCH_SIZE, width), tokenizer.pad_token_id, dtype=torch.long)  # [B, L]
-        labels = torch.full((BATCH_SIZE, width), -100, dtype=torch.long)  # [B, L]
-        mask = torch.zeros((BATCH_SIZE, width), dtype=torch.long)  # [B, L]
-        for i, (x, y) in enumerate(seqs):
-            input_ids[i, : len(x)], labels[i, : len(x)], mask[i, : len(x)] = torch.tensor(x), torch.tensor(y), 1
-        logits = model(input_ids=input_ids, attention_mask=mask).logits  # [B, L, V]
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)),
-                                                 labels[:, 1:].reshape(-1), ignore_index=-100)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
-        optimizer.step()
+        loss = base.sft_step(model, optimizer, seqs, tokenizer.pad_token_id, GRAD_CLIP)
         if step % EVAL_EVERY == 0 or step == SFT_STEPS:
             t0 = time.perf_counter()
             s = summary(greedy_conversations(model, tokenizer, heldout[:32]))
@@ -390,23 +377,14 @@ Full numbers (and the SFT curve) are in `build_info.json`.
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="output model folder (replaced)")
-    parser.add_argument("--seed", type=int, default=SEED)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads; results depend on it")
-    parser.add_argument("--skip-vllm", action="store_true", help="skip the real-vLLM first-turn check")
+    base.common_arguments(parser, SEED, "skip the real-vLLM first-turn check")
     args = parser.parse_args(argv)
     out: Path = args.out
-    if out.exists() and any(out.iterdir()) and not (out / "build_info.json").is_file():
-        parser.error(f"--out {out} is a non-empty folder that this script did not build; refusing to replace it")
+    base.start_build(parser, args)
 
     import torch
     import transformers
     from transformers import PreTrainedTokenizerFast
-
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(args.threads)
-    torch.use_deterministic_algorithms(True)
-    transformers.logging.set_verbosity_error()
 
     tok = train_tokenizer()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, unk_token=UNK,
@@ -419,11 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {base.count_parameters(model):,} parameters")
     result = sft(model, tokenizer, heldout, args.seed)
 
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    model.save_pretrained(out, safe_serialization=True)
-    (out / "model.safetensors").chmod(0o644)
+    base.write_model(out, model)
     save_tokenizer(tok, out)
     check_saved_tokenizer(out, tokenizer)
 

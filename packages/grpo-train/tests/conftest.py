@@ -55,6 +55,36 @@ def ragged_policy_batch(B: int, seed: int) -> dict[str, torch.Tensor]:
             "advantages": torch.randn(B, generator=g)[:, None] * token_mask, "sample_mask": sample_mask}
 
 
+@pytest.fixture(scope="module")
+def model_dir(request):
+    """The bundled model that the test module names in its NAME (test_assets.py, test_assets_tool.py)."""
+    from grpo_train.assets import builtin_model_path
+
+    return builtin_model_path(request.module.NAME)
+
+
+@pytest.fixture(scope="module")
+def build_info(model_dir) -> dict:
+    """The bundled model's build record (build_info.json)."""
+    import json
+
+    return json.loads((model_dir / "build_info.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir).eval()
+
+
 @pytest.fixture(scope="session")
 def policy_batch():
     """`ragged_policy_batch`, shared by the multi-rank worker tests (test_fsdp.py, test_tp_workers.py)."""

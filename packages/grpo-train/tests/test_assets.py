@@ -3,7 +3,6 @@ vLLM, tokenises the task as the data package does, and is half-trained as its bu
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
@@ -20,30 +19,6 @@ ACCURACY_BAND = (0.30, 0.85)
 # Answers may flip on near-ties on other hardware (other BLAS, GPU); the same machine gives 0.
 MAX_CHANGED_ANSWERS = 3
 PARAMETER_RANGE = (0.8e6, 1.5e6)
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return builtin_model_path(NAME)
-
-
-@pytest.fixture(scope="module")
-def build_info(model_dir):
-    return json.loads((model_dir / "build_info.json").read_text())
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
-@pytest.fixture(scope="module")
-def model(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir).eval()
 
 
 @pytest.fixture(scope="module")

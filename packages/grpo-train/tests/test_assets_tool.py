@@ -6,12 +6,11 @@ same first turns in real vLLM."""
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
 
-from grpo_train.assets import BUILTIN_MODELS, builtin_model_path
+from grpo_train.assets import BUILTIN_MODELS
 
 NAME = "arith-tool-tiny"
 NUM_PROBLEMS = 8  # the first held-out problems of the build (build_info.json: heldout_seed)
@@ -19,30 +18,6 @@ MAX_NEW_TOKENS = 24
 PARAMETER_RANGE = (0.8e6, 1.5e6)
 # Whether greedy decoding starts with a call may flip on near-ties on other hardware; the same machine gives 0.
 MAX_CHANGED_FIRST_TURNS = 1
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return builtin_model_path(NAME)
-
-
-@pytest.fixture(scope="module")
-def build_info(model_dir):
-    return json.loads((model_dir / "build_info.json").read_text())
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
-@pytest.fixture(scope="module")
-def model(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir).eval()
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,8 @@ Tools: when a datum's environment declares tools (`Environment.tools`), its prom
 again by the tokenizer's chat template with `tools=`; tool-role observations are rendered by the
 template too (`chat_tokens`), carried forward as ids, never re-tokenising earlier turns, and the
 carried stream is measured against a fresh render of the whole conversation (`rollout/chat_drift_*`).
+Environment text holding the text of an added token (`<|im_end|>`, a role marker) is tokenised as
+plain text, never as that token (`chat_tokens`); `rollout/env_markup_messages` counts such messages.
 An environment may set the next turn's stop strings per sample (`EnvOutput.stop_strings`).
 
 Two schedules, same conversations: `per_sample=False` runs turns in lockstep (every active
@@ -26,7 +28,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 
 from grpo_train.batch import Rollout
-from grpo_train.rollout.chat_tokens import ChatTokens, drift
+from grpo_train.rollout.chat_tokens import ChatTokens, added_tokens, drift, plain_ids
 from grpo_train.rollout.single_turn import RolloutResult, generate_in_chunks, prompt_messages, step_environments
 
 TOOL_ROLE = "tool"
@@ -57,6 +59,8 @@ class _Conversation:
     """Where the last generated turn starts in `response_ids`."""
     invalid_spans: list[tuple[int, int]] = field(default_factory=list)
     """[start, end) of the generated turns whose tool calls the env found written wrong."""
+    prompt_messages: int = 0
+    """How many of `messages` are the prompt's (the rest: the model's turns and the environment's)."""
 
     def add_generation(self, ids: list[int], logprobs: list[float], text: str, finish_reason: str) -> None:
         self.last_start = len(self.response_ids)
@@ -85,8 +89,12 @@ class _Conversation:
 
 
 def observation_ids(tokenizer, message: dict) -> list[int]:
-    """Tokens of a non-tool environment message appended to the running sequence (its text, plain)."""
-    return tokenizer(str(message.get("content", "")), add_special_tokens=False)["input_ids"]
+    """Tokens of a non-tool environment message appended to the running sequence (its text, plain:
+    the text of an added token in it stays text, it does not become that token)."""
+    text = str(message.get("content", ""))
+    if any(token in text for token in added_tokens(tokenizer)):
+        return plain_ids(tokenizer, text)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 class _TurnRunner:
@@ -99,6 +107,8 @@ class _TurnRunner:
         self._chats: dict[str, ChatTokens] = {}
         self.metrics = _TurnMetrics(envs)
         self.generate_s = self.reward_s = 0.0
+        self.markup_messages = 0  # environment messages holding added-token text (tokenised as plain text)
+        self._added = added_tokens(tokenizer)
         self._lock = threading.Lock()  # the per-sample schedule adds timings and metrics from threads
 
     def chat(self, datum) -> ChatTokens:
@@ -121,7 +131,8 @@ class _TurnRunner:
             ids = d.token_ids.tolist()
             if tools:
                 ids = self.chat(d).prompt_ids(messages, tools)
-            convs += [_Conversation(d, p, list(ids), list(messages), tools) for _ in range(self.sampling.n)]
+            convs += [_Conversation(d, p, list(ids), list(messages), tools, prompt_messages=len(messages))
+                      for _ in range(self.sampling.n)]
         return convs
 
     def generate(self, convs: list[_Conversation], first: bool) -> None:
@@ -173,6 +184,10 @@ class _TurnRunner:
             self.reward_s += time.perf_counter() - start
 
     def _observe(self, conv: _Conversation, messages: list[dict]) -> None:
+        marked = sum(any(t in str(m.get("content", "")) for t in self._added) for m in messages)
+        if marked:
+            with self._lock:
+                self.markup_messages += marked
         if all(m.get("role") == TOOL_ROLE for m in messages):
             ids = self.chat(conv.datum).between_turns_ids(conv.last_generated, messages)
             conv.templated = True
@@ -259,9 +274,11 @@ def _conversation_metrics(runner: _TurnRunner, convs: list[_Conversation]) -> di
     calls = sum(v for k, v in runner.metrics.result().items() if k.endswith("/tool_calls"))
     if calls or any(c.tools for c in convs):
         metrics["rollout/calls_per_turn"] = calls / max(sum(c.turns for c in convs), 1)
+    if runner.markup_messages:
+        metrics["rollout/env_markup_messages"] = float(runner.markup_messages)
     templated = [c for c in convs if c.templated]
     if templated:
-        drifts = [drift(c.prompt_ids + c.response_ids, runner.chat(c.datum).fresh_ids(c.messages, c.tools))
+        drifts = [drift(c.prompt_ids + c.response_ids, runner.chat(c.datum).fresh_ids(c.messages, c.tools, c.prompt_messages))
                   for c in templated]
         metrics["rollout/chat_drift_samples"] = float(sum(d > 0 for d in drifts))
         metrics["rollout/chat_drift_tokens_mean"] = sum(drifts) / len(drifts)
