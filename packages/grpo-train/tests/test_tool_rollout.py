@@ -367,11 +367,12 @@ def test_a_templated_processors_prompt_is_rendered_once_with_tools(policy):
     """The math processor renders the prompt through the chat template; the tool render starts
     again from the messages' own text, not from the rendered pieces (which would wrap the user
     turn twice), and the environment sees the question as written."""
+    from grpo_data.config import DatasetEntry
     from grpo_data.datasets import build_dataset
 
     tok = char_tokenizer()
-    (d,) = build_dataset({"dataset_name": "arithmetic", "size": 1, "seed": 1, "digits": 2, "processor": "math",
-                          "env_name": "calculator"}, tok)
+    entry = DatasetEntry(dataset_name="arithmetic", size=1, seed=1, digits=2, processor="math", env_name="calculator")
+    (d,) = build_dataset(entry, tok)
     question = d.message_log[-1]["raw_content"]
     assert tok.decode(d.token_ids.tolist()) == f"<|user|>{question}<|end|><|assistant|>"
     envs = {"calculator": EnvPool("calculator", {}, in_process=True)}
