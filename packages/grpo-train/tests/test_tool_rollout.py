@@ -289,9 +289,9 @@ def test_invalid_tool_calls_take_the_configured_advantage_on_their_turn_only(pol
         assert r.invalid_call_mask == [1] * turn_1 + [0] * (len(r.response_ids) - turn_1)
         assert r.response_mask[:turn_1] == [1] * turn_1
     assert result.env_metrics["env/calculator/invalid_tool_calls"] == 2
-    batch, _ = prepare_batch(cfg, result.rollouts, pad_id=0)
+    batch, _ = prepare_batch(cfg.grpo, cfg.policy, result.rollouts, pad_id=0)
     batch["prev_logprobs"] = batch["gen_logprobs"].clone()
-    metrics = add_advantages(cfg, result.rollouts, batch)
+    metrics = add_advantages(cfg.grpo, cfg.loss_fn, result.rollouts, batch)
     p = len(result.rollouts[0].prompt_ids)
     expected = torch.zeros_like(batch["advantages"])
     expected[:, p : p + turn_1] = -5.0

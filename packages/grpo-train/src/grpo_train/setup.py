@@ -124,6 +124,7 @@ def check_model_options(cfg: GRPOMasterConfig, model_path: str) -> None:
     if (tp := cfg.policy.dtensor_cfg.tensor_parallel_size) > 1:
         from transformers import AutoConfig
 
+        # torch: only for TP runs
         from grpo_train.policy.fsdp import uses_fsdp
         from grpo_train.policy.tensor_parallel import tp_size_problem  # torch: only for TP runs
 
@@ -347,6 +348,7 @@ def env_actor_options(resources: dict[str, float] | None) -> dict:
 def attach_generators(cfg: GRPOMasterConfig, policy, generator) -> None:
     """Wait for the policy ranks and connect the weight transport to the engines (the sync and
     async loops push over it alike)."""
+    # the engines' and transports' code (torch, Ray) loads when the run starts them
     from grpo_train.generation.group import engines_of
     from grpo_train.refit import choose_transport, make_transport
 
@@ -369,6 +371,7 @@ def start_generator(cfg: GRPOMasterConfig, model_path: str, policy):
 
 def start_engines(factories: list):
     """One engine per factory: the single engine's handle, or a `GeneratorGroup` of several."""
+    # the engines' code (torch, Ray) loads when the run starts them
     from grpo_train.generation.group import GeneratorGroup
 
     engines = [start() for start in factories]
@@ -408,6 +411,7 @@ def engine_factories(cfg: GRPOMasterConfig, model_path: str, policy) -> list:
 
 
 def build_components(cfg: GRPOMasterConfig, model_path: str) -> Components:
+    # the actors' code (torch, Ray) loads when the run builds them
     from grpo_train.colocation import MemoryChoreography
     from grpo_train.policy.group import PolicyGroup
 

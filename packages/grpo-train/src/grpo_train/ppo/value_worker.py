@@ -95,6 +95,7 @@ class ValueWorker:
         # the head is outside peft and trains in full. self.peft wraps the backbone for save_pretrained.
         self.peft = None
         if cfg.lora_cfg.enabled:
+            # policy.lora (peft): only value.lora_cfg runs load it
             from grpo_train.policy.lora import apply_lora
 
             self.peft = apply_lora(self.model.backbone, cfg.lora_cfg, seed, task_type=None, key=LORA_KEY)
@@ -255,6 +256,7 @@ class ValueWorker:
 
     # ------------------------------------------------------------------ data parallelism
     def free_address(self) -> tuple[str, int]:
+        # refit.buckets: loaded when the process group is set up
         from grpo_train.refit.buckets import free_address
 
         return free_address()

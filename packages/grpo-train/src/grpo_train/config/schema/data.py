@@ -39,7 +39,7 @@ class DatasetConfig(_DatasetSection):
 
 # The data section's keys are grpo-data's too (grpo_data.config.DataConfig, which build_data and
 # make_train_iterator take); its dataset entries become DatasetConfig sections here.
-if typing.TYPE_CHECKING:  # the static view: grpo-data's fields, with this schema's entry sections
+if typing.TYPE_CHECKING:  # the static view of the same section (see loss._PGLossSection)
 
     class _DataSection(Section, grpo_data.config.DataConfig): ...  # pyright: ignore[reportGeneralTypeIssues]
 else:
