@@ -35,15 +35,15 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from grpo_cli.configs import CONFIG_DIR
+    from grpo_data.config import DataConfig, DatasetEntry
     from grpo_data.datasets import build_data
     from grpo_train.assets import builtin_model_path
     from grpo_train.config import load_config
-    from grpo_train.setup import data_section
 
     cfg, _ = load_config("grpo_arith_tiny.yaml", [], [CONFIG_DIR])
     tokenizer = AutoTokenizer.from_pretrained(builtin_model_path("arith-tiny"))
     rows = []
-    wall, cpu, splits = timed(lambda: build_data(data_section(cfg), tokenizer))
+    wall, cpu, splits = timed(lambda: build_data(cfg.data.data_config(), tokenizer))
     rows.append(("build_data (demo: 100,000 + 256 rows)", wall, cpu))
     train = splits.train[0]
     wall, cpu, _ = timed(lambda: [train[i] for i in range(640)])
@@ -57,9 +57,9 @@ def main() -> None:
         with open(path, "w") as f:
             for text in ("1+2=", big, "3+4=", "5+6="):
                 f.write(json.dumps({"problem": text, "answer": "3"}) + "\n")
-        entry = {"dataset_name": "ResponseDataset", "data_path": str(path), "input_key": "problem",
-                 "output_key": "answer", "processor": "plain", "max_input_seq_length": 16}
-        wall, cpu, huge = timed(lambda: build_data({"train": entry}, tokenizer).train[0])
+        entry = DatasetEntry(dataset_name="ResponseDataset", data_path=str(path), input_key="problem",
+                             output_key="answer", processor="plain", max_input_seq_length=16)
+        wall, cpu, huge = timed(lambda: build_data(DataConfig(train=entry), tokenizer).train[0])
         rows.append(("build a 4-row JSONL with one 10 MB prompt", wall, cpu))
         wall, cpu, _ = timed(lambda: [huge[1] for _ in range(3)])
         rows.append(("draw the 10 MB prompt 3 times", wall, cpu))

@@ -14,6 +14,7 @@ import logging
 import pytest
 
 from grpo_data.bad_rows import MAX_ROW_DEPTH, BadRows, row_problem
+from grpo_data.config import DataConfig, DatasetEntry
 from grpo_data.datasets import ProcessedDataset, build_data, build_dataset
 from grpo_data.errors import DataError
 from grpo_data.records import TaskSpec
@@ -52,8 +53,12 @@ def _write(path, bad_line: str | bytes):
     return path
 
 
-def _entry(path, **extra):
+def _fields(path, **extra):
     return {"dataset_name": "ResponseDataset", "data_path": str(path), "processor": "plain", **extra}
+
+
+def _entry(path, **extra):
+    return DatasetEntry(**_fields(path, **extra))
 
 
 def _expected_tokens(text: str) -> list[int]:
@@ -161,13 +166,13 @@ def test_draws_are_copies(tokenizer, tmp_path):
 def test_data_section_policy_and_skip_counts(tokenizer, tmp_path):
     bad = _write(tmp_path / "bad.jsonl", json.dumps({"input": [1], "output": "3"}))
     good = _write(tmp_path / "good.jsonl", json.dumps(GOOD[0]))
-    section = {"train": [_entry(good), _entry(bad)], "bad_rows": "skip"}
-    splits = build_data(section, tokenizer)
+    section = {"train": [_fields(good), _fields(bad)], "bad_rows": "skip"}
+    splits = build_data(DataConfig.from_mapping(section), tokenizer)
     assert [len(d) for d in splits.train] == [4, 3] and splits.skipped_rows == {"data.train[1]": 1}
     with pytest.raises(DataError, match=r"data\.train\[1\]: .*bad\.jsonl, line 3"):
-        build_data({**section, "bad_rows": "refuse"}, tokenizer)
-    with pytest.raises(DataError, match=r"data\.bad_rows: 'drop'; expected one of \('refuse', 'skip'\)"):
-        build_data({**section, "bad_rows": "drop"}, tokenizer)
+        build_data(DataConfig.from_mapping({**section, "bad_rows": "refuse"}), tokenizer)
+    with pytest.raises(DataError, match=r"data\.bad_rows='drop': expected one of \('refuse', 'skip'\)"):
+        build_data(DataConfig.from_mapping({**section, "bad_rows": "drop"}), tokenizer)
 
 
 def test_row_problem_walks_without_recursion():

@@ -3,6 +3,7 @@
 import pytest
 
 from grpo_data.builtin_datasets import BUILTIN_DATASETS, find_builtin, gsm8k_final_answer, load_builtin
+from grpo_data.config import DataConfig, DatasetEntry
 from grpo_data.datasets import build_data, build_dataset
 from grpo_data.errors import DataError
 
@@ -121,13 +122,14 @@ def test_unknown_split_and_offline_hub_message():
 def test_builtin_from_config_with_math_processor(tmp_path, jsonl, tokenizer):
     rows = [{"problem": "2+2?", "solution": "", "answer": "4"}] * 4
     path = jsonl(tmp_path / "ds.jsonl", rows)
-    ds = build_dataset({"dataset_name": "DeepScaler", "data_path": str(path), "prompt_file": "Q {}", "env_name": "math"}, tokenizer)
+    entry = DatasetEntry(dataset_name="DeepScaler", data_path=str(path), prompt_file="Q {}", env_name="math")
+    ds = build_dataset(entry, tokenizer)
     datum = ds[0]
     assert datum.message_log[0]["content"] == "<|user|>Q 2+2?<|end|><|assistant|>"
     assert datum.extra_env_info == {"ground_truth": "4"} and datum.task_name == "DeepScaler"
     splits = build_data(
-        {"train": {"dataset_name": "DeepScaler", "data_path": str(path)},
-         "validation": {"dataset_name": "AIME2024", "data_path": str(path), "repeat": 2}},
+        DataConfig(train=DatasetEntry(dataset_name="DeepScaler", data_path=str(path)),
+                   validation=DatasetEntry(dataset_name="AIME2024", data_path=str(path), repeat=2)),
         tokenizer,
     )  # fmt: skip
     assert [len(d) for d in splits.validation] == [8]

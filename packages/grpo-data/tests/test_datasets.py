@@ -1,6 +1,7 @@
 import pytest
 
 from grpo_data.arithmetic import ArithmeticDataset
+from grpo_data.config import DataConfig, DatasetEntry
 from grpo_data.datasets import ProcessedDataset, build_data, build_dataset
 from grpo_data.errors import DataError
 from grpo_data.records import TaskSpec
@@ -12,7 +13,7 @@ def test_processed_dataset_processes_every_row_once_at_build(tokenizer):
 
     def spy(row, task_spec, tok, max_seq_length, idx):
         calls.append(idx)
-        return build_dataset({"dataset_name": "arithmetic", "size": 1}, tok)[0]
+        return build_dataset(DatasetEntry(dataset_name="arithmetic", size=1), tok)[0]
 
     ds = ProcessedDataset(ArithmeticDataset(5, seed=0), spy, TaskSpec("t"), tokenizer, 16)
     assert len(ds) == 5 and calls == [0, 1, 2, 3, 4]
@@ -36,7 +37,7 @@ def test_build_dataset_arithmetic_demo(tokenizer, tmp_path):
         "env_name": "arithmetic_env",
         "max_input_seq_length": 32,
     }
-    ds = build_dataset(cfg, tokenizer)
+    ds = build_dataset(DatasetEntry(**cfg), tokenizer)
     rows = ArithmeticDataset(50, seed=7, digits=1, operations=("+", "*"))
     assert len(ds) == 50
     datum = ds[4]
@@ -47,7 +48,7 @@ def test_build_dataset_arithmetic_demo(tokenizer, tmp_path):
 
 
 def test_truncations_are_counted(tokenizer):
-    ds = build_dataset({"dataset_name": "arithmetic", "size": 8, "max_input_seq_length": 3}, tokenizer)
+    ds = build_dataset(DatasetEntry(dataset_name="arithmetic", size=8, max_input_seq_length=3), tokenizer)
     batch = [ds[i] for i in range(len(ds))]
     assert all(d.truncated and d.loss_multiplier == 0.0 and d.length == 3 for d in batch)
     assert ds.num_truncated == 8
@@ -58,8 +59,8 @@ def test_strict_truncation_names_the_row(tokenizer, tmp_path, jsonl):
     cfg = {"dataset_name": "ResponseDataset", "data_path": str(path), "processor": "plain",
            "max_input_seq_length": 4, "on_overlong": "error"}
     with pytest.raises(DataError, match=r"t\.jsonl, line 2: item 1 .*7 tokens"):
-        build_dataset(cfg, tokenizer)
-    kept = build_dataset(cfg, tokenizer, bad_rows="skip")  # on_overlong: error + skip drops overlong prompts
+        build_dataset(DatasetEntry(**cfg), tokenizer)
+    kept = build_dataset(DatasetEntry(**cfg), tokenizer, bad_rows="skip")  # on_overlong: error + skip drops overlong prompts
     assert len(kept) == 1 and kept.num_skipped == 1 and kept[0].token_ids.tolist() == [token_id("1")]
 
 
@@ -75,7 +76,7 @@ def test_build_data_lists_defaults_and_carved_validation(tokenizer, tmp_path, js
         ],
         "validation": {"dataset_name": "arithmetic", "size": 8, "seed": 99},
     }  # fmt: skip
-    splits = build_data(data_cfg, tokenizer)
+    splits = build_data(DataConfig.from_mapping(data_cfg), tokenizer)
     assert [len(d) for d in splits.train] == [30, 20]
     assert [len(d) for d in splits.validation] == [10, 8]
     assert [d.name for d in splits.validation] == ["arithmetic", "arithmetic#2"]
@@ -86,7 +87,7 @@ def test_build_data_lists_defaults_and_carved_validation(tokenizer, tmp_path, js
     all_problems = {r["problem"] for r in (ArithmeticDataset(40, seed=1)[i] for i in range(40))}
     assert train_problems | val_problems == all_problems
     # Deterministic carving.
-    again = build_data(data_cfg, tokenizer)
+    again = build_data(DataConfig.from_mapping(data_cfg), tokenizer)
     assert [d.idx for d in (again.validation[0][i] for i in range(10))] == list(range(10))
     assert [again.validation[0][i].token_ids.tolist() for i in range(10)] == [
         splits.validation[0][i].token_ids.tolist() for i in range(10)
@@ -108,11 +109,11 @@ def test_build_data_lists_defaults_and_carved_validation(tokenizer, tmp_path, js
 )  # fmt: skip
 def test_config_errors_name_the_key_path(tokenizer, data_cfg, message):
     with pytest.raises(DataError, match=message):
-        build_data(data_cfg, tokenizer)
+        build_data(DataConfig.from_mapping(data_cfg), tokenizer)
 
 
 def test_validation_part_requires_a_carve(tokenizer):
     with pytest.raises(DataError, match="no validation part"):
-        build_dataset({"dataset_name": "arithmetic", "size": 4}, tokenizer, part="validation")
-    val = build_dataset({"dataset_name": "arithmetic", "size": 10, "split_validation_size": 3}, tokenizer, "validation")
+        build_dataset(DatasetEntry(dataset_name="arithmetic", size=4), tokenizer, part="validation")
+    val = build_dataset(DatasetEntry(dataset_name="arithmetic", size=10, split_validation_size=3), tokenizer, "validation")
     assert len(val) == 3

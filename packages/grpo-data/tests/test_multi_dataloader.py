@@ -4,6 +4,7 @@ import textwrap
 import pytest
 
 from grpo_data.arithmetic import ArithmeticDataset
+from grpo_data.config import DataConfig
 from grpo_data.dataloader import InfiniteDataLoader
 from grpo_data.datasets import ProcessedDataset
 from grpo_data.errors import DataError
@@ -83,15 +84,15 @@ def test_make_train_iterator_from_the_data_section(tokenizer):
         return ProcessedDataset(ArithmeticDataset(size, seed), "plain", TaskSpec(name), tokenizer, 32)
 
     a, b = processed("a", 1, 10), processed("b", 2, 6)
-    single = make_train_iterator({"shuffle": False}, [a], num_prompts_per_step=4, seed=0)
+    single = make_train_iterator(DataConfig(shuffle=False), [a], num_prompts_per_step=4, seed=0)
     assert isinstance(single, InfiniteDataLoader) and [d.idx for d in next(single)] == [0, 1, 2, 3]
-    concat = make_train_iterator({}, [a, b], num_prompts_per_step=4, seed=0)
+    concat = make_train_iterator(DataConfig(), [a, b], num_prompts_per_step=4, seed=0)
     assert concat.batches_per_epoch == 4
     multi = make_train_iterator(
-        {"use_multiple_dataloader": True, "num_prompts_per_dataloader": 2, "shuffle": False}, [a, b], 4, seed=0
+        DataConfig(use_multiple_dataloader=True, num_prompts_per_dataloader=2, shuffle=False), [a, b], 4, seed=0
     )
     assert [(d.dataset_name, d.idx) for d in next(multi)] == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
     with pytest.raises(DataError, match="num_prompts_per_dataloader"):
-        make_train_iterator({"use_multiple_dataloader": True}, [a, b], 4, seed=0)
+        make_train_iterator(DataConfig(use_multiple_dataloader=True), [a, b], 4, seed=0)
     with pytest.raises(DataError, match="expected num_prompts_per_step=6"):
-        next(make_train_iterator({"use_multiple_dataloader": True, "num_prompts_per_dataloader": 2}, [a, b], 6, 0))
+        next(make_train_iterator(DataConfig(use_multiple_dataloader=True, num_prompts_per_dataloader=2), [a, b], 6, 0))

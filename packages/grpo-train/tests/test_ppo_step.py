@@ -29,7 +29,7 @@ def cfg(**ppo_and_more):
 
 
 def test_batch_has_scaled_scores_and_filters_truncated_samples():
-    batch, metrics = prepare_ppo_batch(cfg(), rollouts(), pad_id=0)
+    batch, metrics = prepare_ppo_batch(cfg().grpo, cfg().policy, rollouts(), pad_id=0)
     assert batch["scores"].tolist() == [1.0, -1.0, 1.0, 1.0]  # [0, 1] scaled onto [-1, 1]
     assert batch["sample_mask"].tolist() == [1.0, 0.0, 1.0, 0.0]  # truncated: no gradient
     assert batch["token_mask"].sum(dim=1).tolist() == [2.0, 4.0, 3.0, 4.0]
@@ -39,16 +39,16 @@ def test_batch_has_scaled_scores_and_filters_truncated_samples():
 def test_token_rewards_put_the_score_last_and_subtract_the_kl_per_token():
     # beta = 0.1 with k3: logr = ref - prev = -1 -> k3 = e^-1 - 1 + 1 = e^-1 per token
     c = cfg(loss_fn={"use_kl_in_reward": True, "reference_policy_kl_penalty": 0.1, "reference_policy_kl_type": "k3"})
-    batch, _ = prepare_ppo_batch(c, rollouts()[:2], pad_id=0)
+    batch, _ = prepare_ppo_batch(c.grpo, c.policy, rollouts()[:2], pad_id=0)
     batch["prev_logprobs"] = -0.5 * batch["token_mask"]
     batch["ref_logprobs"] = -1.5 * batch["token_mask"]
     k = 0.1 * math.exp(-1)
-    rewards = token_rewards(c, batch)
+    rewards = token_rewards(c.loss_fn, batch)
     torch.testing.assert_close(rewards[0], torch.tensor([0.0, 0.0, -k, 1 - k, 0.0, 0.0]))
     torch.testing.assert_close(rewards[1], torch.tensor([0.0, 0.0, -k, -k, -k, -1 - k]))
     k1 = cfg(loss_fn={"use_kl_in_reward": True, "reference_policy_kl_penalty": 0.1, "reference_policy_kl_type": "k1"})
-    torch.testing.assert_close(token_rewards(k1, batch)[0], torch.tensor([0.0, 0.0, -0.1, 0.9, 0.0, 0.0]))
-    without = token_rewards(cfg(), batch)
+    torch.testing.assert_close(token_rewards(k1.loss_fn, batch)[0], torch.tensor([0.0, 0.0, -0.1, 0.9, 0.0, 0.0]))
+    without = token_rewards(cfg().loss_fn, batch)
     assert without[1].tolist() == [0.0, 0.0, 0.0, 0.0, 0.0, -1.0]
 
 

@@ -178,8 +178,8 @@ TABLE = {
     "policy.generation.refit_buffer_size_gb": T("tests/test_e2e_async.py::test_zero_age_async_reproduces_the_sync_loop"),
     "policy.generation.max_engine_restarts": T("packages/grpo-train/tests/test_engine_faults.py::test_sync_run_survives_a_killed_engine_then_stops_with_one_line"),
     "data.max_input_seq_length": T("packages/grpo-data/tests/test_datasets.py::test_build_dataset_arithmetic_demo"),
-    "data.shuffle": R("grpo_train/setup.py"),
-    "data.num_workers": R("grpo_train/setup.py"),
+    "data.shuffle": R("grpo_data/multi_dataloader.py"),
+    "data.num_workers": R("grpo_data/multi_dataloader.py"),
     "data.<entry>.dataset_name": R("grpo_data/datasets.py"),
     "data.<entry>.task_name": T("packages/grpo-data/tests/test_records.py::test_task_spec_is_frozen_and_renders"),
     "data.<entry>.processor": T("packages/grpo-data/tests/test_datasets.py::test_processed_dataset_processes_every_row_once_at_build"),
@@ -206,7 +206,7 @@ TABLE = {
     "data.<entry>.operations": T("packages/grpo-data/tests/test_datasets.py::test_build_dataset_arithmetic_demo"),
     "data.use_multiple_dataloader": T("packages/grpo-data/tests/test_multi_dataloader.py::test_make_train_iterator_from_the_data_section"),
     "data.num_prompts_per_dataloader": T("packages/grpo-data/tests/test_multi_dataloader.py::test_documented_interleaving"),
-    "data.custom_dataloader": R("grpo_train/setup.py"),
+    "data.custom_dataloader": R("grpo_data/multi_dataloader.py"),
     "data.bad_rows": T("packages/grpo-train/tests/test_setup_data.py::test_bad_rows_policy_reaches_the_datasets"),
     "env.<name>.resources": T("packages/grpo-cli/tests/test_plan.py::test_separate_async_engine_and_reward_model_get_gpus_on_two_nodes"),
     "env.<name>.num_workers": R("grpo_train/setup.py"),
@@ -442,7 +442,6 @@ def test_ratio_clip_max_is_the_upper_clip(clip_max, loss):
 # Keys whose name is also a field of a leaf package's config but that are another concept.
 SAME_NAME_OTHER_CONCEPT = {
     ("ValueLossConfig", "token_level_loss"): "the value loss's own aggregation, not the policy loss's",
-    ("DataConfig", "max_input_seq_length"): "the section-wide default filled into every dataset entry",
     ("GRPOConfig", "seed"): "the run's seed; a dataset entry's seed carves its validation rows",
     ("TokenizerConfig", "chat_template_kwargs"): "the policy tokenizer's; an entry's applies to its own prompts",
 }
@@ -516,3 +515,20 @@ def test_declared_once_check_catches_a_copied_key():
     assert len(_declaration_sites(Twice, "ratio_clip_max")) == 2
     assert _declaration_sites(LossConfig, "ratio_clip_max") == ["grpo_kernels.loss_config.PGLossConfig"]
     assert _declaration_sites(LossConfig, "use_kl_in_reward") == ["grpo_train.config.schema.loss.LossConfig"]
+
+
+def test_the_data_section_is_grpo_datas_own_config():
+    """The data section's keys are declared by grpo-data (grpo_data.config.DataConfig); the
+    schema's section hands grpo-data that very object, entries included."""
+    import grpo_data.config
+    from grpo_train.config.schema import DataConfig, DatasetConfig
+
+    data_keys = [f.name for f in dataclasses.fields(grpo_data.config.DataConfig)]
+    assert list(DataConfig.model_fields) == data_keys
+    assert {_declaration_sites(DataConfig, k)[0] for k in data_keys} == {"grpo_data.config.DataConfig"}
+    section = DataConfig(train=[DatasetConfig(dataset_name="arithmetic", size=3), DatasetConfig(dataset_name="GSM8K")],
+                         shuffle=False, num_workers=2)
+    assert section.data_config() == grpo_data.config.DataConfig(
+        train=[grpo_data.config.DatasetEntry(dataset_name="arithmetic", size=3),
+               grpo_data.config.DatasetEntry(dataset_name="GSM8K")], shuffle=False, num_workers=2)
+    assert DataConfig().data_config() == grpo_data.config.DataConfig()  # the same defaults

@@ -328,9 +328,9 @@ def test_invalid_tool_calls_take_the_configured_advantage_on_their_turn_only(pol
         assert r.invalid_call_mask == [1] * turn_1 + [0] * (len(r.response_ids) - turn_1)
         assert r.response_mask[:turn_1] == [1] * turn_1
     assert result.env_metrics["env/calculator/invalid_tool_calls"] == 2
-    batch, _ = prepare_batch(cfg, result.rollouts, pad_id=0)
+    batch, _ = prepare_batch(cfg.grpo, cfg.policy, result.rollouts, pad_id=0)
     batch["prev_logprobs"] = batch["gen_logprobs"].clone()
-    metrics = add_advantages(cfg, result.rollouts, batch)
+    metrics = add_advantages(cfg.grpo, cfg.loss_fn, result.rollouts, batch)
     p = len(result.rollouts[0].prompt_ids)
     expected = torch.zeros_like(batch["advantages"])
     expected[:, p : p + turn_1] = -5.0
@@ -406,11 +406,12 @@ def test_a_templated_processors_prompt_is_rendered_once_with_tools(policy):
     """The math processor renders the prompt through the chat template; the tool render starts
     again from the messages' own text, not from the rendered pieces (which would wrap the user
     turn twice), and the environment sees the question as written."""
+    from grpo_data.config import DatasetEntry
     from grpo_data.datasets import build_dataset
 
     tok = char_tokenizer()
-    (d,) = build_dataset({"dataset_name": "arithmetic", "size": 1, "seed": 1, "digits": 2, "processor": "math",
-                          "env_name": "calculator"}, tok)
+    entry = DatasetEntry(dataset_name="arithmetic", size=1, seed=1, digits=2, processor="math", env_name="calculator")
+    (d,) = build_dataset(entry, tok)
     question = d.message_log[-1]["raw_content"]
     assert tok.decode(d.token_ids.tolist()) == f"<|user|>{question}<|end|><|assistant|>"
     envs = {"calculator": EnvPool("calculator", {}, in_process=True)}

@@ -43,8 +43,8 @@ def with_logprobs(batch, prev=None, ref=None):
 def test_overlong_filtering_keeps_truncated_samples_in_the_baseline():
     c = cfg(grpo={"overlong_filtering": True, "normalize_rewards": False, "use_leave_one_out_baseline": False})
     rollouts = [rollout(0, 1.0, 2), rollout(0, 0.0, 2), rollout(0, 0.0, 4, True), rollout(0, 0.0, 4, True)]
-    batch, _ = prepare_batch(c, rollouts, pad_id=0)
-    metrics = add_advantages(c, rollouts, with_logprobs(batch))
+    batch, _ = prepare_batch(c.grpo, c.policy, rollouts, pad_id=0)
+    metrics = add_advantages(c.grpo, c.loss_fn, rollouts, with_logprobs(batch))
     # baseline over all four: mean 0.25 -> the kept two get 0.75 and -0.25 (not 0.5 / -0.5)
     assert batch["sample_mask"].tolist() == [1.0, 1.0, 0.0, 0.0]
     torch.testing.assert_close(batch["advantages"][:2, 2], torch.tensor([0.75, -0.25]))
@@ -55,11 +55,11 @@ def test_seq_logprob_error_threshold_masks_sequences_by_their_mean_exp_error():
     c = cfg(group=3, grpo={"seq_logprob_error_threshold": 2.5, "normalize_rewards": False,
                            "use_leave_one_out_baseline": False})
     rollouts = [rollout(0, 1.0, 2), rollout(0, 0.0, 2), rollout(0, 0.0, 1)]
-    batch, _ = prepare_batch(c, rollouts, pad_id=0)
+    batch, _ = prepare_batch(c.grpo, c.policy, rollouts, pad_id=0)
     prev = batch["gen_logprobs"].clone()
     prev[1, 2] += math.log(3)  # row 1: mean(exp(|d|)) = (3 + 1) / 2 = 2.0 <= 2.5, kept
     prev[2, 2] -= math.log(5)  # row 2: 5.0 > 2.5, dropped
-    metrics = add_advantages(c, rollouts, with_logprobs(batch, prev))
+    metrics = add_advantages(c.grpo, c.loss_fn, rollouts, with_logprobs(batch, prev))
     assert batch["sample_mask"].tolist() == [1.0, 1.0, 0.0]
     assert metrics["num_masked_seqs_by_logprob_error"] == 1.0
     assert metrics["max_seq_mult_prob_error"] == pytest.approx(5.0)
@@ -79,9 +79,9 @@ def test_kl_in_reward_for_grpo_goes_into_the_advantage_and_out_of_the_loss():
     c = cfg(group=2, grpo={"adv_estimator": {"name": "grpo", "normalize_rewards": False, "use_leave_one_out_baseline": False}},
             loss_fn={"use_kl_in_reward": True, "reference_policy_kl_penalty": 0.1, "reference_policy_kl_type": "k2"})
     rollouts = [rollout(0, 1.0, 2), rollout(0, 0.0, 2)]
-    batch, _ = prepare_batch(c, rollouts, pad_id=0)
+    batch, _ = prepare_batch(c.grpo, c.policy, rollouts, pad_id=0)
     ref = batch["gen_logprobs"] - 1.0 * batch["token_mask"]  # ref - prev = -1: k2 = 0.5, beta * k2 = 0.05
-    metrics = add_advantages(c, rollouts, with_logprobs(batch, ref=ref))
+    metrics = add_advantages(c.grpo, c.loss_fn, rollouts, with_logprobs(batch, ref=ref))
     torch.testing.assert_close(batch["advantages"][:, 2:4], torch.tensor([[0.45, 0.45], [-0.55, -0.55]]))
     assert metrics["reward_kl_penalty"] == pytest.approx(0.05)
     # the loss runs with beta 0 (the KL is applied once); the reference is still loaded (beta > 0 in loss_fn)
@@ -96,14 +96,14 @@ def test_gdpo_reads_the_environments_reward_components():
                                                         "use_leave_one_out_baseline": False}})
     comps = [{"format": 1, "correct": 0}, {"format": 0, "correct": 1}, {"format": 1, "correct": 1}, {"format": 1, "correct": 0}]
     rollouts = [rollout(i // 2, 0.0, 1, components=cm) for i, cm in enumerate(comps)]
-    batch, _ = prepare_batch(c, rollouts, pad_id=0)
-    add_advantages(c, rollouts, with_logprobs(batch))
+    batch, _ = prepare_batch(c.grpo, c.policy, rollouts, pad_id=0)
+    add_advantages(c.grpo, c.loss_fn, rollouts, with_logprobs(batch))
     # sorted names (correct, format): groups give [-0.5, 0.5, 0.5, -0.5] + [0.5, -0.5, 0, 0] = [0, 0, 0.5, -0.5]
     s = 1 / math.sqrt(0.5 / 3)
     torch.testing.assert_close(batch["advantages"][:, 2], torch.tensor([0.0, 0.0, 0.5 * s, -0.5 * s]))
     rollouts[3].env_metadata = {"reward_components": {"format": 1}}
     with pytest.raises(ValueError, match="sample 3: reward_components"):
-        add_advantages(c, rollouts, with_logprobs(prepare_batch(c, rollouts, pad_id=0)[0]))
+        add_advantages(c.grpo, c.loss_fn, rollouts, with_logprobs(prepare_batch(c.grpo, c.policy, rollouts, pad_id=0)[0]))
 
 
 def test_kl_in_reward_refuses_the_loss_only_kl_options():
@@ -140,8 +140,8 @@ def test_add_logprobs_asks_for_prev_and_ref_in_one_call(monkeypatch, beta, calls
     policy = RecordingPolicy(3, 4)
     batch = {"input_ids": torch.zeros(3, 4, dtype=torch.long)}
     # the logprob-error mask reads prev before training: the separate pass
-    add_logprobs(cfg(loss_fn={"reference_policy_kl_penalty": beta}, grpo={"seq_logprob_error_threshold": 2.0}),
-                 policy, batch)
+    c = cfg(loss_fn={"reference_policy_kl_penalty": beta}, grpo={"seq_logprob_error_threshold": 2.0})
+    add_logprobs(train_step.logprob_plan(c), policy, batch)
     assert policy.calls == calls
     assert torch.equal(batch["prev_logprobs"], policy.prev)
     if beta:
@@ -172,7 +172,7 @@ def test_add_logprobs_leaves_prev_to_the_train_call_where_it_may_be_reused(monke
     monkeypatch.setattr(train_step.ray, "get", lambda ref: ref)
     policy = RecordingPolicy(3, 4)
     batch = {"input_ids": torch.zeros(3, 4, dtype=torch.long)}
-    add_logprobs(cfg(loss_fn={"reference_policy_kl_penalty": beta}), policy, batch)
+    add_logprobs(train_step.logprob_plan(cfg(loss_fn={"reference_policy_kl_penalty": beta})), policy, batch)
     assert policy.calls == calls
     assert "prev_logprobs" not in batch
     assert ("ref_logprobs" in batch) == bool(beta) and (not beta or torch.equal(batch["ref_logprobs"], policy.ref))
@@ -196,8 +196,8 @@ def test_prev_reuse_only_where_nothing_needs_its_own_pass():
 def test_advantages_without_prev_leave_the_logprob_error_metric_to_the_train_call():
     c = cfg(group=2)
     rollouts = [rollout(0, 1.0, 3), rollout(0, 0.0, 3)]
-    batch, _ = prepare_batch(c, rollouts, pad_id=0)
-    metrics = add_advantages(c, rollouts, batch)
+    batch, _ = prepare_batch(c.grpo, c.policy, rollouts, pad_id=0)
+    metrics = add_advantages(c.grpo, c.loss_fn, rollouts, batch)
     assert "max_seq_mult_prob_error" not in metrics
     assert torch.equal(batch["advantages"][:, 2:] != 0, batch["token_mask"][:, 2:] > 0)
 
@@ -213,8 +213,8 @@ def test_invalid_tool_call_advantage_replaces_the_advantage_of_the_bad_turns_tok
     rows = [Rollout(prompt_index=0, prompt_ids=[5, 6], response_ids=[7, 8, 9, 10], gen_logprobs=[-0.5, -0.5, 0.0, -0.5],
                     text="", truncated=False, reward=r, response_mask=[1, 1, 0, 1], turns=2, invalid_call_mask=m)
             for r, m in ((1.0, [1, 1, 0, 0]), (0.0, [0, 0, 1, 0]))]
-    batch, _ = prepare_batch(c, rows, pad_id=0)
-    metrics = add_advantages(c, rows, with_logprobs(batch))
+    batch, _ = prepare_batch(c.grpo, c.policy, rows, pad_id=0)
+    metrics = add_advantages(c.grpo, c.loss_fn, rows, with_logprobs(batch))
     # Rewards 1 and 0, mean 0.5: advantages +0.5 and -0.5 on the trained tokens (positions 2, 3, 5).
     torch.testing.assert_close(batch["advantages"], torch.tensor([[0.0, 0.0, -5.0, -5.0, 0.0, 0.5],
                                                                   [0.0, 0.0, -0.5, -0.5, 0.0, -0.5]]))
@@ -222,8 +222,8 @@ def test_invalid_tool_call_advantage_replaces_the_advantage_of_the_bad_turns_tok
     assert metrics["advantage_abs_mean"] == pytest.approx((5 + 5 + 0.5 + 0.5 * 3) / 6)
     # Off (the default): the estimator's advantages are untouched.
     plain = cfg(group=2, grpo={"max_rollout_turns": 3, "normalize_rewards": False, "use_leave_one_out_baseline": False})
-    batch, _ = prepare_batch(plain, rows, pad_id=0)
-    assert "invalid_tool_call_tokens" not in add_advantages(plain, rows, with_logprobs(batch))
+    batch, _ = prepare_batch(plain.grpo, plain.policy, rows, pad_id=0)
+    assert "invalid_tool_call_tokens" not in add_advantages(plain.grpo, plain.loss_fn, rows, with_logprobs(batch))
     assert batch["advantages"][0].tolist() == [0.0, 0.0, 0.5, 0.5, 0.0, 0.5]
 
 

@@ -3,8 +3,9 @@
 A `ProcessedDataset` checks, processes and tokenises every row once when it is built and
 keeps the prompts, so a run never meets a bad row at the step that draws it and a long prompt
 is not tokenised again at every draw; bad rows are refused or skipped per `data.bad_rows`
-(`grpo_data.bad_rows`). `build_dataset` turns one dataset entry of the config (a plain dict
-shaped like NeMo RL's data section) into one; `build_data` does the whole section:
+(`grpo_data.bad_rows`). `build_dataset` turns one dataset entry of the config
+(`grpo_data.config.DatasetEntry`) into one; `build_data` does the whole section
+(`grpo_data.config.DataConfig`; `DataConfig.from_mapping` reads one shaped like NeMo RL's):
 
     data:
       max_input_seq_length: 256
@@ -24,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +34,7 @@ from torch.utils.data import Dataset
 from grpo_data.arithmetic import DEFAULT_DIGITS, DEFAULT_OPERATIONS, ArithmeticDataset
 from grpo_data.bad_rows import DEFAULT_POLICY, BadRows, row_problem
 from grpo_data.builtin_datasets import BUILTIN_DATASETS, find_builtin, load_builtin
-from grpo_data.config import ARITHMETIC_KEYS, COMMON_KEYS, DATASET_KEYS, FILE_KEYS, DatasetEntry, DatasetKeyError
+from grpo_data.config import ARITHMETIC_KEYS, COMMON_KEYS, FILE_KEYS, DataConfig, DatasetEntry
 from grpo_data.errors import DataError
 from grpo_data.processors import check_processor_options, get_processor
 from grpo_data.records import DatumSpec, TaskSpec
@@ -200,14 +201,6 @@ def _check_keys(cfg: Mapping[str, Any], kind: str, where: str) -> None:
             raise DataError(f"{where}.{key}: unknown key for a {kind!r} dataset; allowed keys are {sorted(allowed)}")
 
 
-def _typed(cfg: Mapping[str, Any], where: str) -> DatasetEntry:
-    """The entry's known keys as a DatasetEntry (unknown ones are refused by `_check_keys`)."""
-    try:
-        return DatasetEntry(**{k: v for k, v in cfg.items() if k in DATASET_KEYS})
-    except DatasetKeyError as err:
-        raise DataError(f"{where}.{err}") from None  # "data.train.size=0: ..."
-
-
 def _kind(entry: DatasetEntry, where: str) -> str:
     name = entry.dataset_name
     if name is None:
@@ -280,7 +273,7 @@ def _load_rows(cfg: DatasetEntry, kind: str, where: str, bad_rows: BadRows):
 
 
 def build_dataset_parts(
-    cfg: Mapping[str, Any], tokenizer, *, where: str = "data", bad_rows: str = DEFAULT_POLICY,
+    cfg: DatasetEntry, tokenizer, *, where: str = "data", bad_rows: str = DEFAULT_POLICY,
     chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> tuple[ProcessedDataset, ProcessedDataset | None]:
     """(main, validation) processed datasets of one entry; validation only if rows were carved
@@ -288,12 +281,11 @@ def build_dataset_parts(
     that cannot be used ("refuse" or "skip", see grpo_data.bad_rows); the skipped ones are
     counted in `num_skipped` and logged in one line. `chat_template_kwargs`: the tokenizer's
     (policy.tokenizer.chat_template_kwargs), under the entry's own."""
-    if not isinstance(cfg, Mapping):
-        raise DataError(f"{where}: expected a mapping of dataset keys, got {type(cfg).__name__}")
-    raw = {k: v for k, v in cfg.items() if v is not None}  # null means "not set" (typed configs dump it)
-    entry = _typed(raw, where)
+    if not isinstance(cfg, DatasetEntry):
+        raise DataError(f"{where}: expected a DatasetEntry (DatasetEntry.from_mapping), got {type(cfg).__name__}")
+    entry = cfg
     kind = _kind(entry, where)
-    _check_keys(raw, kind, where)
+    _check_keys(entry.set_keys(), kind, where)
     bad = BadRows(bad_rows, where)
     main_rows, val_rows, default_task = _load_rows(entry, kind, where, bad)
     source_skips = bad.count
@@ -326,7 +318,7 @@ def build_dataset_parts(
     return main, validation
 
 
-def build_dataset(cfg: Mapping[str, Any], tokenizer, part: str = "train", *, where: str = "data",
+def build_dataset(cfg: DatasetEntry, tokenizer, part: str = "train", *, where: str = "data",
                   bad_rows: str = DEFAULT_POLICY) -> ProcessedDataset:
     """One `ProcessedDataset` from one dataset entry of the config.
 
@@ -347,33 +339,20 @@ def build_dataset(cfg: Mapping[str, Any], tokenizer, part: str = "train", *, whe
 # The data section
 
 
-def _entries(value: Any, where: str) -> list[tuple[str, Mapping[str, Any]]]:
-    if value is None:
-        return []
-    if isinstance(value, Mapping):
-        return [(where, value)]
-    if isinstance(value, Sequence) and not isinstance(value, str):
-        return [(f"{where}[{i}]", entry) for i, entry in enumerate(value)]
-    raise DataError(f"{where}: expected a dataset mapping or a list of them, got {type(value).__name__}")
-
-
-def build_data(data_cfg: Mapping[str, Any], tokenizer, *, where: str = "data",
+def build_data(data_cfg: DataConfig, tokenizer, *, where: str = "data",
                chat_template_kwargs: Mapping[str, Any] | None = None) -> DataSplits:
     """All processed datasets of a data section: `train`, `validation`, `default`, the
     section-wide `max_input_seq_length` as a default for every dataset, and `bad_rows`
     ("refuse" or "skip") for every dataset. `chat_template_kwargs` (the tokenizer's) apply to
     every dataset whose processor renders a chat template, under an entry's own."""
-    policy = data_cfg.get("bad_rows") or DEFAULT_POLICY
-    BadRows(policy, where)  # an unknown policy is refused before any file is read
-    defaults = dict(data_cfg.get("default") or {})
-    for key in defaults:
-        if key not in DATASET_KEYS:
-            raise DataError(f"{where}.default.{key}: unknown dataset key")
-    if data_cfg.get("max_input_seq_length") is not None:
-        defaults.setdefault("max_input_seq_length", data_cfg["max_input_seq_length"])
+    if not isinstance(data_cfg, DataConfig):
+        raise DataError(f"{where}: expected a DataConfig (DataConfig.from_mapping), got {type(data_cfg).__name__}")
+    policy = data_cfg.bad_rows
+    defaults = data_cfg.default.set_keys()
+    defaults.setdefault("max_input_seq_length", data_cfg.max_input_seq_length)
     splits = DataSplits()
-    train_entries = _entries(data_cfg.get("train"), f"{where}.train")
-    if not train_entries and data_cfg.get("validation") is None:
+    train_entries = data_cfg.entries("train", where)
+    if not train_entries and data_cfg.validation is None:
         raise DataError(f"{where}.train: no dataset configured")
     for entry_where, entry in train_entries:
         main, validation = build_dataset_parts(_with_defaults(defaults, entry, entry_where), tokenizer, where=entry_where,
@@ -382,7 +361,7 @@ def build_data(data_cfg: Mapping[str, Any], tokenizer, *, where: str = "data",
         splits.train.append(main)
         if validation is not None:
             splits.validation.append(validation)
-    for entry_where, entry in _entries(data_cfg.get("validation"), f"{where}.validation"):
+    for entry_where, entry in data_cfg.entries("validation", where):
         main, extra = build_dataset_parts(_with_defaults(defaults, entry, entry_where), tokenizer, where=entry_where,
                                           bad_rows=policy, chat_template_kwargs=chat_template_kwargs)
         _count_skips(splits, entry_where, main, extra)
@@ -410,14 +389,13 @@ def _count_skips(splits: DataSplits, where: str, main: ProcessedDataset, extra: 
         splits.skipped_rows[where] = skipped
 
 
-def _with_defaults(defaults: Mapping[str, Any], entry: Mapping[str, Any], where: str) -> dict[str, Any]:
+def _with_defaults(defaults: Mapping[str, Any], entry: DatasetEntry, where: str) -> DatasetEntry:
     """`entry` over `defaults`, taking only the defaults that apply to the entry's kind of
     dataset (a default `input_key` does not reach an arithmetic entry)."""
-    if not isinstance(entry, Mapping):
-        raise DataError(f"{where}: expected a mapping of dataset keys, got {type(entry).__name__}")
-    kind = _kind(_typed({**defaults, **entry}, where), where)
+    own = entry.set_keys()
+    kind = _kind(DatasetEntry(**{**defaults, **own}), where)
     allowed = COMMON_KEYS | (ARITHMETIC_KEYS if kind == ARITHMETIC else FILE_KEYS)
-    return {**{k: v for k, v in defaults.items() if k in allowed}, **entry}
+    return DatasetEntry(**{**{k: v for k, v in defaults.items() if k in allowed}, **own})
 
 
 def _dedupe_names(datasets: list[ProcessedDataset]) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 
 from torch.utils.data import ConcatDataset
 
+from grpo_data.config import DataConfig
 from grpo_data.dataloader import InfiniteDataLoader
 from grpo_data.errors import DataError
 from grpo_data.registry import register, resolve
@@ -33,6 +34,7 @@ from grpo_data.registry import register, resolve
 # another loader's (seed + epoch).
 LOADER_SEED_STRIDE = 1_000_003
 REWARD_KEY = "reward"
+DEFAULT_SAMPLER = "round_robin"
 WEIGHT_FLOOR = 0.01
 
 
@@ -94,7 +96,7 @@ class MultiDataLoader:
         *,
         shuffle: bool = True,
         num_workers: int = 0,
-        sampler: str | Sampler = "round_robin",
+        sampler: str | Sampler = DEFAULT_SAMPLER,
         expected_num_prompts: int | None = None,
     ) -> None:
         if not datasets:
@@ -158,25 +160,24 @@ class MultiDataLoader:
 
 
 def make_train_iterator(
-    data_cfg: Mapping[str, Any],
+    data_cfg: DataConfig,
     train_datasets: Sequence[Any],
     num_prompts_per_step: int,
     seed: int,
 ) -> InfiniteDataLoader | MultiDataLoader:
     """The endless training-prompt iterator a data section asks for.
 
-    Reads `shuffle` (default true), `num_workers` (0), `use_multiple_dataloader` (false),
-    `num_prompts_per_dataloader` and `custom_dataloader` (sampler name or "module:function",
-    default "round_robin"). Without multiple dataloaders several datasets are concatenated.
+    Reads `shuffle`, `num_workers`, `use_multiple_dataloader`, `num_prompts_per_dataloader` and
+    `custom_dataloader` (sampler name or "module:function"; none: "round_robin"). Without
+    multiple dataloaders several datasets are concatenated.
     """
     if not train_datasets:
         raise DataError("data.train: no dataset configured")
-    shuffle = bool(data_cfg.get("shuffle", True))
-    num_workers = int(data_cfg.get("num_workers", 0))
-    if not data_cfg.get("use_multiple_dataloader", False):
+    shuffle, num_workers = data_cfg.shuffle, data_cfg.num_workers
+    if not data_cfg.use_multiple_dataloader:
         dataset = train_datasets[0] if len(train_datasets) == 1 else ConcatDataset(list(train_datasets))
         return InfiniteDataLoader(dataset, num_prompts_per_step, shuffle, seed, True, num_workers)
-    per_loader = data_cfg.get("num_prompts_per_dataloader")
+    per_loader = data_cfg.num_prompts_per_dataloader
     if not isinstance(per_loader, int) or per_loader < 1:
         raise DataError(f"data.num_prompts_per_dataloader={per_loader!r}; expected a positive integer with use_multiple_dataloader")
     names = [getattr(ds, "name", f"dataset{i}") for i, ds in enumerate(train_datasets)]
@@ -188,6 +189,6 @@ def make_train_iterator(
         seed,
         shuffle=shuffle,
         num_workers=num_workers,
-        sampler=data_cfg.get("custom_dataloader") or "round_robin",
+        sampler=data_cfg.custom_dataloader or DEFAULT_SAMPLER,
         expected_num_prompts=num_prompts_per_step,
     )

@@ -73,7 +73,7 @@ def train_async(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Traine
             rollouts = [r for g in groups for r in g.rollouts]
             state.consumed_prompts += len(groups)
             batch, metrics = batch_with_logprobs(cfg, parts, memory, timer, rollouts, pad, prepare_batch)
-            metrics |= add_advantages(cfg, rollouts, batch)
+            metrics |= add_advantages(cfg.grpo, cfg.loss_fn, rollouts, batch)
             with timer("train"):
                 metrics |= ray.get(parts.policy.train.remote(batch))
             held = not in_flight  # the push waits for older batches, then holds the next one

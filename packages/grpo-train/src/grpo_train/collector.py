@@ -46,7 +46,7 @@ from grpo_train.rollout import rollout_batch
 from grpo_train.setup import build_train_iterator
 
 # Distinct seeds per step: the sync loop's seeds, so max_age 0 samples what the sync loop samples.
-from grpo_train.step import record_rewards, sampling_spec, step_seed
+from grpo_train.step import record_rewards, step_seed, train_sampling
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class TrajectoryCollector:
             self.train_data.load_state_dict(dataloader_state)
         self.parts = SimpleNamespace(generator=generator, envs=shared.envs, tokenizer=shared.tokenizer)
         self.buffer = buffer
-        self.sampling = sampling_spec(cfg)
+        self.sampling = train_sampling(cfg)
         self.last_step = last_step
         self.next_target = next_target
         self.version = version

@@ -66,6 +66,7 @@ class MemoryChoreography:
     @classmethod
     def for_run(cls, cfg, policy, generator) -> MemoryChoreography:
         """The run's choreography (built once in setup, kept on the components as `memory`)."""
+        # generation.group imports torch; this module needs only Ray
         from grpo_train.generation.group import engines_of
 
         return cls(policy, engines_of(generator), colocated_on_gpus(cfg))
@@ -79,6 +80,7 @@ class MemoryChoreography:
     def engines_replaced(self, generator) -> None:
         """An engine was restarted (engine_faults): later phases sleep and wake the new set. The
         restart happens inside a phase that has the engines awake, and a new engine starts awake."""
+        # generation.group imports torch; this module needs only Ray
         from grpo_train.generation.group import engines_of
 
         self.engines = list(engines_of(generator))

@@ -171,9 +171,11 @@ def truncate_jsonl(path: Path, max_step: int) -> int:
 def _tensorboard_writer_class():
     """SummaryWriter from torch if installed, else tensorboardX."""
     try:
+        # optional back end, imported when enabled (`grpo plot` imports this module)
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         try:
+            # the same back end without torch
             from tensorboardX import SummaryWriter
         except ImportError as err:
             raise ImportError(
@@ -227,6 +229,7 @@ class MetricsLogger:
 
     # -- back ends ------------------------------------------------------------------
     def _init_wandb(self, config_dict: dict):
+        # optional back end, imported when enabled (`grpo plot` imports this module)
         import wandb
 
         id_path = self.run_dir / WANDB_ID_FILE
@@ -263,12 +266,14 @@ class MetricsLogger:
         return writer_class(str(self.run_dir / TENSORBOARD_DIR), **kwargs)
 
     def _init_progress_bar(self):
+        # tqdm: only with the console logger (`grpo plot` imports this module)
         from tqdm.auto import tqdm
 
         return tqdm(total=self.total_steps, initial=self.start_step, desc=self.run_name, unit="step", dynamic_ncols=True)
 
     def _print(self, text: str) -> None:
         """Print above the progress bar without breaking it."""
+        # tqdm: only with the console logger (`grpo plot` imports this module)
         from tqdm.auto import tqdm
 
         tqdm.write(text)

@@ -111,6 +111,7 @@ def _config_json(name: str) -> tuple[Path | None, Path | None]:
     if path.is_dir():
         return path, path / "config.json" if (path / "config.json").is_file() else None
     try:
+        # huggingface_hub: only for a hub model name; `grpo plan` stays light otherwise
         from huggingface_hub import try_to_load_from_cache
 
         cached = try_to_load_from_cache(name, "config.json")

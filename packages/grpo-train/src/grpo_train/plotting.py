@@ -53,6 +53,7 @@ def _series(rows: list[dict], split: str, key: str) -> Series:
 
 
 def _draw(ax, title: str, curves: list[tuple[str, Series, str]]) -> None:
+    # matplotlib: only when a plot is drawn; `import grpo_train.plotting` stays light
     from matplotlib.ticker import MaxNLocator
 
     ax.set_title(title)
@@ -75,6 +76,7 @@ def _draw(ax, title: str, curves: list[tuple[str, Series, str]]) -> None:
 
 def plot_run(run_dir: Path) -> Path:
     """Write <run_dir>/plots/training.png (reward, accuracy, KL over steps) and return its path."""
+    # matplotlib: only when a plot is drawn; `import grpo_train.plotting` stays light
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -63,9 +63,11 @@ def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None =
     """A training run; 0, 1 or 2 (the module's exit codes). The optimizer check of the config
     (`config.checks.check_optimizers`, imports torch._dynamo) runs here, beside Ray's start, and
     raises its ConfigError (naming `config_file`) before any actor starts."""
+    # function-level, as everywhere in this module: `import grpo_train.run` stays torch-free
     from grpo_train.config.checks import check_optimizers_in_background
 
     optimizers_checked = check_optimizers_in_background(cfg, config_file)  # first: the rest imports torch too
+    # the run's parts (torch, Ray), after the optimizer check has started
     from grpo_train.checkpoint import CheckpointManager
     from grpo_train.engine_faults import EngineFailed
     from grpo_train.loggers import MetricsLogger
@@ -84,6 +86,7 @@ def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None =
     from grpo_train.sync_loop import train_sync
 
     if cfg.algorithm == "ppo":  # the config's `ppo:` section picks PPO: same parts plus a value worker
+        # the PPO loop and its parts, only for a `ppo:` config
         from grpo_train.ppo.ppo_loop import train_ppo as train_sync
         from grpo_train.ppo.ppo_step import build_ppo_components as build_components
     started = time.perf_counter()
@@ -138,6 +141,7 @@ def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None =
             except StateFileError as exc:  # matched its manifest, yet not a state file grpo wrote
                 say(f"cannot resume {resume_from}: {str(getattr(exc, 'cause', None) or exc).splitlines()[0]}")
                 return EXIT_STARTUP
+            # function-level: `import grpo_train.run` stays torch-free
             from grpo_train.refit import push_weights
 
             push_weights(parts.policy, parts.generator, state.weight_version)
@@ -151,6 +155,7 @@ def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None =
         logger = MetricsLogger(cfg.logger, run_path, run_name, raw, total_steps=last, start_step=state.step)
         try:
             if cfg.grpo.async_grpo.enabled:
+                # the async loop, only for grpo.async_grpo.enabled
                 from grpo_train.async_loop import train_async
 
                 state = train_async(cfg, parts, logger, checkpoints, state)
@@ -165,6 +170,7 @@ def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None =
         logger = None
         say(f"finished {state.step} steps in {time.perf_counter() - started:.0f} s")
         if cfg.logger.plot_enabled:
+            # matplotlib: only with logger.plot_enabled
             from grpo_train.plotting import plot_run
 
             say(f"plot:        {plot_run(run_path)}")
@@ -200,7 +206,7 @@ def evaluate(cfg: GRPOMasterConfig, raw: dict, checkpoint: str | None = None) ->
 
     # Function-level, as in train: `import grpo_train.run` stays torch-free.
     from grpo_train.setup import actor_env_vars, build_components, init_ray, resolve_model_path
-    from grpo_train.step import sampling_spec
+    from grpo_train.step import train_sampling
     from grpo_train.validation import validate, validation_turns
 
     try:
@@ -211,8 +217,9 @@ def evaluate(cfg: GRPOMasterConfig, raw: dict, checkpoint: str | None = None) ->
         say(str(exc))
         return EXIT_STARTUP
     try:
-        metrics, _ = validate(parts.generator, parts.envs, parts.val_datums, sampling_spec(cfg),
-                              cfg.grpo.val_num_generations, cfg.grpo.val_batch_size, **validation_turns(cfg, parts))
+        metrics, _ = validate(parts.generator, parts.envs, parts.val_datums, train_sampling(cfg),
+                              cfg.grpo.val_num_generations, cfg.grpo.val_batch_size,
+                              **validation_turns(cfg.grpo, cfg.policy, parts.tokenizer))
         print(json.dumps(metrics, indent=2))
         return EXIT_OK
     finally:

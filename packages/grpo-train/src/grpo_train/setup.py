@@ -18,7 +18,7 @@ from typing import Any
 
 from grpo_train.assets import builtin_model_path
 from grpo_train.config.checks import env_import_paths
-from grpo_train.config.schema import ClusterConfig, DatasetConfig, GRPOMasterConfig
+from grpo_train.config.schema import ClusterConfig, GRPOMasterConfig
 from grpo_train.errors import StartupError  # re-exported: its old home
 from grpo_train.generation.actor import generator_factories
 from grpo_train.generation.async_vllm import make_async_generation_actor
@@ -124,6 +124,7 @@ def check_model_options(cfg: GRPOMasterConfig, model_path: str) -> None:
     if (tp := cfg.policy.dtensor_cfg.tensor_parallel_size) > 1:
         from transformers import AutoConfig
 
+        # torch: only for TP runs
         from grpo_train.policy.fsdp import uses_fsdp
         from grpo_train.policy.tensor_parallel import tp_size_problem  # torch: only for TP runs
 
@@ -264,20 +265,6 @@ def actor_env_vars() -> dict[str, str]:
     return env
 
 
-def data_section(cfg: GRPOMasterConfig) -> dict[str, Any]:
-    """The data section as grpo-data reads it: only the keys a person set, no nulls."""
-
-    def entries(value):
-        if value is None:
-            return None
-        if isinstance(value, DatasetConfig):
-            return value.model_dump(exclude_none=True)
-        return [e.model_dump(exclude_none=True) for e in value]
-
-    return {"max_input_seq_length": cfg.data.max_input_seq_length, "default": cfg.data.default.model_dump(exclude_none=True),
-            "train": entries(cfg.data.train), "validation": entries(cfg.data.validation), "bad_rows": cfg.data.bad_rows}
-
-
 def build_datasets(cfg: GRPOMasterConfig, tokenizer):
     """(train datasets, validation dataset or None); several validation entries are concatenated."""
     from torch.utils.data import ConcatDataset
@@ -286,7 +273,7 @@ def build_datasets(cfg: GRPOMasterConfig, tokenizer):
     from grpo_data.errors import DataError
 
     try:
-        splits = build_data(data_section(cfg), tokenizer, chat_template_kwargs=cfg.policy.tokenizer.chat_template_kwargs)
+        splits = build_data(cfg.data.data_config(), tokenizer, chat_template_kwargs=cfg.policy.tokenizer.chat_template_kwargs)
     except (DataError, FileNotFoundError) as exc:
         raise StartupError(str(exc)) from None
     if not splits.train:
@@ -305,13 +292,8 @@ def build_train_iterator(cfg: GRPOMasterConfig, train_sets: list):
     from grpo_data.errors import DataError
     from grpo_data.multi_dataloader import make_train_iterator
 
-    data = cfg.data
-    options = {"shuffle": data.shuffle, "num_workers": data.num_workers, "use_multiple_dataloader": data.use_multiple_dataloader,
-               "num_prompts_per_dataloader": data.num_prompts_per_dataloader}
-    if data.custom_dataloader:
-        options["custom_dataloader"] = data.custom_dataloader
     try:
-        return make_train_iterator(options, train_sets, cfg.grpo.num_prompts_per_step, cfg.grpo.seed)
+        return make_train_iterator(cfg.data.data_config(), train_sets, cfg.grpo.num_prompts_per_step, cfg.grpo.seed)
     except DataError as exc:
         raise StartupError(str(exc)) from None
 
@@ -373,6 +355,7 @@ def env_actor_options(resources: dict[str, float] | None) -> dict:
 def attach_generators(cfg: GRPOMasterConfig, policy, generator) -> None:
     """Wait for the policy ranks and connect the weight transport to the engines (the sync and
     async loops push over it alike)."""
+    # the engines' and transports' code (torch, Ray) loads when the run starts them
     from grpo_train.generation.group import engines_of
     from grpo_train.refit import choose_transport, make_transport
 
@@ -395,6 +378,7 @@ def start_generator(cfg: GRPOMasterConfig, model_path: str, policy):
 
 def start_engines(factories: list):
     """One engine per factory: the single engine's handle, or a `GeneratorGroup` of several."""
+    # the engines' code (torch, Ray) loads when the run starts them
     from grpo_train.generation.group import GeneratorGroup
 
     engines = [start() for start in factories]
@@ -434,6 +418,7 @@ def engine_factories(cfg: GRPOMasterConfig, model_path: str, policy) -> list:
 
 
 def build_components(cfg: GRPOMasterConfig, model_path: str) -> Components:
+    # the actors' code (torch, Ray) loads when the run builds them
     from grpo_train.colocation import MemoryChoreography
     from grpo_train.policy.group import PolicyGroup
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import ray
 
 from grpo_train.colocation import MemoryChoreography
-from grpo_train.config.schema import CheckpointingConfig, GRPOConfig, GRPOMasterConfig
+from grpo_train.config.schema import CheckpointingConfig, GenerationConfig, GRPOConfig, GRPOMasterConfig
 from grpo_train.deadline import SaveDeadline
 from grpo_train.engine_faults import EngineSupervisor, checked_refit, supervise
 from grpo_train.generation.base import SamplingSpec
@@ -29,7 +29,7 @@ from grpo_train.refit import push_weights
 from grpo_train.rollout import rollout_batch
 from grpo_train.rollout.dynamic_sampling import fill_with_signal
 from grpo_train.run_state import TrainerState, save_checkpoint
-from grpo_train.train_step import add_logprobs, prepare_batch
+from grpo_train.train_step import add_logprobs, logprob_plan, prepare_batch
 from grpo_train.validation import validate, validation_turns
 
 # Distinct seeds per step so a resumed run samples exactly what the uninterrupted run sampled.
@@ -41,13 +41,19 @@ def step_seed(grpo: GRPOConfig, step: int) -> int:
     return grpo.seed * _STEP_SEED_STRIDE + step
 
 
-def sampling_spec(cfg: GRPOMasterConfig) -> SamplingSpec:
-    gen = cfg.policy.generation
+def sampling_spec(gen: GenerationConfig, n: int) -> SamplingSpec:
+    """policy.generation's sampling, `n` samples per prompt (grpo.num_generations_per_prompt, or
+    grpo.val_num_generations where validation asks)."""
     return SamplingSpec(
         temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k if gen.top_k is not None else -1,
         max_new_tokens=gen.max_new_tokens, stop_token_ids=tuple(gen.stop_token_ids or ()),
-        stop_strings=tuple(gen.stop_strings or ()), n=cfg.grpo.num_generations_per_prompt,
+        stop_strings=tuple(gen.stop_strings or ()), n=n,
     )
+
+
+def train_sampling(cfg: GRPOMasterConfig) -> SamplingSpec:
+    """The training rollouts' sampling (`sampling_spec` of policy.generation, grpo's n per prompt)."""
+    return sampling_spec(cfg.policy.generation, cfg.grpo.num_generations_per_prompt)
 
 
 def total_steps(grpo: GRPOConfig, train_data) -> int:
@@ -139,8 +145,9 @@ def run_validation(cfg: GRPOMasterConfig, parts, logger, step: int,
         return {}
 
     def attempt():
-        return validate(parts.generator, parts.envs, parts.val_datums, sampling_spec(cfg),
-                        cfg.grpo.val_num_generations, cfg.grpo.val_batch_size, **validation_turns(cfg, parts))
+        return validate(parts.generator, parts.envs, parts.val_datums, train_sampling(cfg),
+                        cfg.grpo.val_num_generations, cfg.grpo.val_batch_size,
+                        **validation_turns(cfg.grpo, cfg.policy, parts.tokenizer))
 
     metrics, samples = attempt() if engines is None else engines.retry("validation", attempt)
     logger.log(metrics, step, split="val")
@@ -199,10 +206,10 @@ def batch_with_logprobs(cfg: GRPOMasterConfig, parts, memory: MemoryChoreography
                         pad: int, prepare: Callable = prepare_batch) -> tuple[dict, dict[str, float]]:
     """The batch of `rollouts` (`prepare`: `train_step.prepare_batch`, or PPO's), then the
     trainer's phase and the prev (and ref) logprobs under the start-of-step weights."""
-    batch, metrics = prepare(cfg, rollouts, pad)
+    batch, metrics = prepare(cfg.grpo, cfg.policy, rollouts, pad)
     memory.for_training()
     with timer("logprob"):
-        add_logprobs(cfg, parts.policy, batch)
+        add_logprobs(logprob_plan(cfg), parts.policy, batch)
     return batch, metrics
 
 
@@ -282,7 +289,7 @@ class SyncRun:
 
     def __init__(self, cfg: GRPOMasterConfig, parts, logger, checkpoints, state: TrainerState) -> None:
         self.cfg, self.parts, self.logger, self.checkpoints, self.state = cfg, parts, logger, checkpoints, state
-        self.sampling = sampling_spec(cfg)
+        self.sampling = train_sampling(cfg)
         self.last = total_steps(cfg.grpo, parts.train_data)
         self.pad = pad_id(parts.tokenizer)
         self.engines = supervise(cfg, parts, state)

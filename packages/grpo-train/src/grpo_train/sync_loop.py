@@ -23,7 +23,7 @@ def train_sync(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Trainer
     while (step := run.next_step()) is not None:
         result, sampling_metrics = run.generate(step)
         batch, metrics = run.batch(result.rollouts, prepare_batch)
-        metrics |= add_advantages(cfg, result.rollouts, batch)
+        metrics |= add_advantages(cfg.grpo, cfg.loss_fn, result.rollouts, batch)
         with run.timer("train"):
             metrics |= ray.get(parts.policy.train.remote(batch))
         metrics |= run.push_and_check(result.rollouts)

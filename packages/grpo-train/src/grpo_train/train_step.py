@@ -5,33 +5,36 @@ The batch components of the step (`step.py` strings them into phases), shared by
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import ray
 import torch
 
 from grpo_train.advantages import groups_with_signal, scale_rewards, shape_rewards
 from grpo_train.batch import Rollout, build_train_batch, invalid_call_token_mask, seq_mult_prob_error
-from grpo_train.config.schema import GRPOConfig, GRPOMasterConfig
+from grpo_train.config.schema import GRPOConfig, GRPOMasterConfig, LossConfig, PolicyConfig
 from grpo_train.group_estimators import GroupBatch, estimate_advantages, kl_in_reward
 from grpo_train.refit import check as refit_check
 
 
-def prepare_batch(cfg: GRPOMasterConfig, rollouts: list[Rollout], pad_id: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+def prepare_batch(grpo: GRPOConfig, policy: PolicyConfig, rollouts: list[Rollout],
+                  pad_id: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Rewards -> (scaled, shaped) -> [B, S] tensors, plus reward metrics; advantages come in
     `add_advantages`, after the logprobs (the in-reward KL and the logprob-error mask need them).
 
     `sample_mask` already has overlong filtering applied; the baseline of `add_advantages` still
     counts the truncated samples (shared/GRPO-MATH.md, 6).
     """
-    n = cfg.grpo.num_generations_per_prompt
+    n = grpo.num_generations_per_prompt
     rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
     lengths = torch.tensor([len(r.response_ids) for r in rollouts])
     truncated = torch.tensor([r.truncated for r in rollouts])
-    shaped = shape_rewards(scale_rewards(rewards, cfg.grpo.reward_scaling), lengths, truncated, cfg.grpo.reward_shaping)
+    shaped = shape_rewards(scale_rewards(rewards, grpo.reward_scaling), lengths, truncated, grpo.reward_shaping)
     sample_mask = torch.tensor([r.loss_multiplier for r in rollouts], dtype=torch.float32)
-    if cfg.grpo.overlong_filtering:
+    if grpo.overlong_filtering:
         sample_mask = sample_mask * (~truncated).float()
     batch = build_train_batch(rollouts, torch.zeros(len(rollouts)), sample_mask, pad_id,
-                              cfg.policy.make_sequence_length_divisible_by)
+                              policy.make_sequence_length_divisible_by)
     batch["scores"] = shaped  # [B] reward after scaling and shaping
     signal = groups_with_signal(shaped, n)
     metrics = {
@@ -61,30 +64,30 @@ def reward_components(rollouts: list[Rollout]) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.float32).view(len(rollouts), len(names))
 
 
-def add_advantages(cfg: GRPOMasterConfig, rollouts: list[Rollout], batch: dict[str, torch.Tensor]) -> dict[str, float]:
+def add_advantages(grpo: GRPOConfig, loss: LossConfig, rollouts: list[Rollout],
+                   batch: dict[str, torch.Tensor]) -> dict[str, float]:
     """The estimator's [B, S] advantages into `batch` (after `add_logprobs`), then the logprob-error
     mask; returns their metrics. Masks set after the advantages (overlong filtering, logprob error)
     keep a sample in its group's baseline and only zero its loss."""
     baseline_mask = torch.tensor([r.loss_multiplier for r in rollouts], dtype=torch.float32)  # [B]
-    components = reward_components(rollouts) if cfg.grpo.adv_estimator.name == "gdpo" else None  # [B, K]
-    loss = cfg.loss_fn
+    components = reward_components(rollouts) if grpo.adv_estimator.name == "gdpo" else None  # [B, K]
     kl = None
     if loss.use_kl_in_reward:
         kl = kl_in_reward(batch["prev_logprobs"], batch["ref_logprobs"], batch["token_mask"],
                           loss.reference_policy_kl_penalty, loss.reference_policy_kl_type,
                           loss.kl_input_clamp_value, loss.kl_output_clamp_value)
     x = GroupBatch(rewards=batch["scores"], valid=baseline_mask > 0, token_mask=batch["token_mask"],
-                   group_size=cfg.grpo.num_generations_per_prompt, components=components, kl_penalty=kl)
-    batch["advantages"] = estimate_advantages(cfg.grpo, x)
+                   group_size=grpo.num_generations_per_prompt, components=components, kl_penalty=kl)
+    batch["advantages"] = estimate_advantages(grpo, x)
     mask = batch["token_mask"]
     metrics: dict[str, float] = {}
-    if cfg.grpo.invalid_tool_call_advantage is not None:
+    if grpo.invalid_tool_call_advantage is not None:
         metrics["invalid_tool_call_tokens"] = replace_invalid_call_advantages(
-            batch, rollouts, cfg.grpo.invalid_tool_call_advantage)
+            batch, rollouts, grpo.invalid_tool_call_advantage)
     metrics["advantage_abs_mean"] = float((batch["advantages"].abs() * mask).sum() / mask.sum().clamp(min=1))
     if kl is not None:
         metrics["reward_kl_penalty"] = float(kl.sum() / mask.sum().clamp(min=1))
-    metrics |= mask_by_logprob_error(cfg.grpo, batch)
+    metrics |= mask_by_logprob_error(grpo, batch)
     metrics["masked_samples"] = float((batch["sample_mask"] == 0).sum())
     return metrics
 
@@ -125,15 +128,29 @@ def reuses_prev_logprobs(cfg: GRPOMasterConfig) -> bool:
             and not cfg.loss_fn.use_kl_in_reward and cfg.grpo.seq_logprob_error_threshold is None)
 
 
-def add_logprobs(cfg: GRPOMasterConfig, policy, batch: dict[str, torch.Tensor]) -> None:
-    """prev (and, when beta > 0, ref) logprobs of the batch under the start-of-step weights; both
-    in one call to the policy (one round trip, the batch sent once). Where `reuses_prev_logprobs`,
-    prev is left to the policy's train call (ref alone is computed here)."""
-    if reuses_prev_logprobs(cfg):
-        if cfg.loss_fn.reference_policy_kl_penalty > 0:
+@dataclass(frozen=True)
+class LogprobPlan:
+    """The logprob passes a step runs before training, from the config (`logprob_plan`)."""
+
+    reuse_prev: bool
+    """prev comes from the policy's train call (`reuses_prev_logprobs`)."""
+    reference: bool
+    """ref logprobs are needed: loss_fn.reference_policy_kl_penalty > 0."""
+
+
+def logprob_plan(cfg: GRPOMasterConfig) -> LogprobPlan:
+    return LogprobPlan(reuse_prev=reuses_prev_logprobs(cfg), reference=cfg.loss_fn.reference_policy_kl_penalty > 0)
+
+
+def add_logprobs(plan: LogprobPlan, policy, batch: dict[str, torch.Tensor]) -> None:
+    """prev (and, with `plan.reference`, ref) logprobs of the batch under the start-of-step
+    weights; both in one call to the policy (one round trip, the batch sent once). With
+    `plan.reuse_prev`, prev is left to the policy's train call (ref alone is computed here)."""
+    if plan.reuse_prev:
+        if plan.reference:
             batch["ref_logprobs"] = ray.get(policy.logprobs.remote(batch, reference=True))
         return
-    if cfg.loss_fn.reference_policy_kl_penalty > 0:
+    if plan.reference:
         both = ray.get(policy.logprobs_and_reference.remote(batch))  # [2, B, S]
         batch["prev_logprobs"], batch["ref_logprobs"] = both[0].clone(), both[1].clone()  # own storage each
     else:

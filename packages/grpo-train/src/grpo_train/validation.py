@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from grpo_train.config.schema import GRPOConfig, PolicyConfig
 from grpo_train.generation.base import SamplingSpec
 from grpo_train.rollout import rollout
 from grpo_train.rollout.multi_turn import multi_turn_rollout
@@ -56,7 +57,6 @@ def validate(generator, envs: dict, datums: list, sampling: SamplingSpec, num_ge
     return metrics, samples
 
 
-def validation_turns(cfg, parts) -> dict:
+def validation_turns(grpo: GRPOConfig, policy: PolicyConfig, tokenizer) -> dict:
     """The multi-turn keywords of `validate` for a run: as many turns as training rolls out."""
-    return {"max_turns": cfg.grpo.max_rollout_turns, "tokenizer": parts.tokenizer,
-            "max_total_len": cfg.policy.max_total_sequence_length}
+    return {"max_turns": grpo.max_rollout_turns, "tokenizer": tokenizer, "max_total_len": policy.max_total_sequence_length}

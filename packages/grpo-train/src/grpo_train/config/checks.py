@@ -122,6 +122,7 @@ def env_import_paths() -> list[str]:
 def check_envs(cfg: GRPOMasterConfig) -> None:
     """Each `env.<name>` is a registered environment, or names an importable Environment class or
     reward function; its settings fit the class's constructor; its resources exist."""
+    # grpo_envs: only `config validate` and `train` check envs; `config show` stays light
     from grpo_envs import registry
 
     for name, env_cfg in cfg.env.items():
@@ -144,6 +145,7 @@ def check_envs(cfg: GRPOMasterConfig) -> None:
 
 def _env_class(name: str, env_cfg: EnvConfig) -> type:
     """The class `env.<name>` runs, imported here so that a bad path fails before any actor starts."""
+    # grpo_envs: only `config validate` and `train` check envs; `config show` stays light
     from grpo_envs import registry
 
     if env_cfg.class_ is not None:
@@ -153,6 +155,7 @@ def _env_class(name: str, env_cfg: EnvConfig) -> type:
         except (ImportError, AttributeError, TypeError) as exc:
             raise ConfigError(f"{exc} (modules are found on PYTHONPATH and in {os.getcwd()})", key=key) from None
     if env_cfg.reward_fn is not None:
+        # grpo_envs: only `config validate` and `train` check envs; `config show` stays light
         from grpo_envs.reward_fn import RewardFnEnv, reward_fn_arity
 
         key = f"env.{name}.reward_fn"

@@ -146,6 +146,7 @@ class AsyncVllmGenerator:
     async def update_weights(self, named_tensors, version: int, in_flight: bool = False,
                              reset_running_kv: bool = False) -> float:
         """`object_store` transport: load HF-named tensors (sent as safetensors bytes)."""
+        # the object_store transport's code, loaded when that transport pushes
         from grpo_train.refit.object_store import serialize_weights
 
         start = time.perf_counter()

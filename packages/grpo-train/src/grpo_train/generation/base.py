@@ -164,6 +164,7 @@ def check_weight_names(given, expected: set[str] | None, config=None) -> None:
     missing, extra = sorted(expected - given), sorted(given - expected)
     if missing or extra:
         if isinstance(config, str):
+            # transformers: only when a model path is given; `grpo plan` imports this module
             from transformers import AutoConfig
 
             config = AutoConfig.from_pretrained(config)

@@ -53,6 +53,7 @@ class HFGenerator:
             model_path, dtype=getattr(torch, dtype)
         ).to(self.device)
         self.model.eval()
+        # refit.tensors: loaded with the model, in the generator's process
         from grpo_train.refit.tensors import iter_refit_tensors
 
         # Checkpoint-format views of this model's own parameters: a push is copied into them

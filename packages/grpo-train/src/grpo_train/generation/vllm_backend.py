@@ -112,6 +112,7 @@ class VllmGenerator:
         # adapters that every later request runs with (generation/lora_adapter.py).
         self._adapters, self._lora_request = None, None
         if lora_adapter is not None:
+            # only adapter-refit (LoRA) runs load the adapter code
             from grpo_train.generation.lora_adapter import AdapterFolders, vllm_max_lora_rank
 
             engine_kwargs.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(int(lora_adapter["dim"])),
@@ -181,6 +182,7 @@ class VllmGenerator:
         check_weight_names(named_tensors, self._weight_names, self.model_path)
         payload = named_tensors
         if not self._in_process:
+            # the object_store transport's code, loaded when that transport pushes
             from grpo_train.refit.object_store import serialize_weights
 
             payload = serialize_weights(named_tensors)
@@ -195,6 +197,7 @@ class VllmGenerator:
         now, so a bad adapter fails the refit, not the next generate) and drop the previous id."""
         from vllm.lora.request import LoRARequest
 
+        # only adapter-refit (LoRA) runs load the adapter code
         from grpo_train.generation.lora_adapter import lora_int_id
 
         assert self._adapters is not None and self.llm is not None

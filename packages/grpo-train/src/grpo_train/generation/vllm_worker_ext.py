@@ -29,6 +29,7 @@ class GrpoWorkerExtension:
 
     def grpo_receive_object_store(self, named_tensors: dict[str, torch.Tensor] | bytes) -> int:
         """`object_store`: `grpo_train.refit.object_store.receive_object_store`."""
+        # vLLM imports this class by dotted path: each transport's module loads on its first use
         from grpo_train.refit.object_store import receive_object_store
 
         return receive_object_store(self, named_tensors)
@@ -66,18 +67,21 @@ class GrpoWorkerExtension:
     def grpo_open_collective(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
                              metas: list, bucket_bytes: int) -> int:
         """`collective`: `grpo_train.refit.collective.open_collective_receiver`."""
+        # vLLM imports this class by dotted path: each transport's module loads on its first use
         from grpo_train.refit.collective import open_collective_receiver
 
         return open_collective_receiver(self, host, port, rank_offset, world_size, backend, metas, bucket_bytes)
 
     def grpo_receive_collective(self) -> int:
         """`collective`: `grpo_train.refit.collective.receive_collective`."""
+        # vLLM imports this class by dotted path: each transport's module loads on its first use
         from grpo_train.refit.collective import receive_collective
 
         return receive_collective(self)
 
     def grpo_receive_ipc(self, handles_by_device: dict[str, list]) -> int:
         """`ipc` (GPU-only): `grpo_train.refit.ipc.receive_ipc`."""
+        # vLLM imports this class by dotted path: each transport's module loads on its first use
         from grpo_train.refit.ipc import receive_ipc
 
         return receive_ipc(self, handles_by_device)

@@ -76,6 +76,7 @@ class PolicyGroup(RankGroup):
                  seed: int, num_threads: int = 1, colocated_generation: bool = False, start: bool = True) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        # the worker module (torch, transformers) loads when the group starts its actors
         from grpo_train.policy.worker import PolicyWorker
 
         self.cfg = policy_cfg

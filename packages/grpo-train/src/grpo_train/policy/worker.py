@@ -274,9 +274,11 @@ class PolicyWorker(WorkerCore):
         """HF-named contiguous CPU tensors for the generator (tied weights appear once), in the
         compute dtype. Under `lora_cfg.refit: adapter` only the adapter tensors, in peft's saved names
         (`refit.tensors.iter_adapter_tensors`): the engine keeps the checkpoint's base weights."""
+        # the object_store transport's code, loaded when that transport pulls the weights
         from grpo_train.refit.object_store import send_object_store
 
         if self.peft is not None and self.cfg.dtensor_cfg.lora_cfg.refit == "adapter":
+            # refit.tensors: loaded at the first refit
             from grpo_train.refit.tensors import iter_adapter_tensors
 
             return send_object_store(compute_tensors(iter_adapter_tensors(self.model), self.dtype))
@@ -285,6 +287,7 @@ class PolicyWorker(WorkerCore):
     def _refit_tensors(self, gather: bool = True):
         """What a refit pushes: `refit.tensors.iter_refit_tensors` in the compute dtype (under
         FSDP2 the gathered tensors are the fp32 masters; unsharded, the compute copy already is)."""
+        # refit.tensors: loaded at the first refit
         from grpo_train.refit.tensors import iter_refit_tensors
 
         return compute_tensors(iter_refit_tensors(self.model, gather=gather), self.dtype)
@@ -487,12 +490,14 @@ class PolicyWorker(WorkerCore):
         return "nccl" if torch.cuda.is_available() else "gloo"
 
     def weight_metadata(self) -> list:
+        # the collective/ipc transports' code, loaded when that transport is used
         from grpo_train.refit.metas import tensor_metadata
 
         return tensor_metadata(self._refit_tensors(gather=False))
 
     def open_collective(self, host: str, port: int, world_size: int, backend: str) -> None:
         """Rank 0 only: join the collective weight transport's group as its source (rank 0)."""
+        # the collective/ipc transports' code, loaded when that transport is used
         from grpo_train.refit import collective
 
         self._weight_group = collective.open_collective_sender(host, port, world_size, backend)
@@ -500,6 +505,7 @@ class PolicyWorker(WorkerCore):
     def send_collective(self, bucket_bytes: int) -> int:
         """Broadcast the weights in buckets (rank 0); under FSDP2 the other ranks call it too, to
         take part in gathering each full tensor. Returns the number of buckets sent."""
+        # the collective/ipc transports' code, loaded when that transport is used
         from grpo_train.refit import collective
 
         device = self.model.device if self.collective_backend() == "nccl" else torch.device("cpu")
@@ -508,6 +514,7 @@ class PolicyWorker(WorkerCore):
     def send_ipc(self) -> dict[str, list]:
         """GPU-only (colocated): CUDA IPC handles of the full weights on this rank's device, keyed
         by the device's UUID so that the vLLM worker on the same GPU picks them."""
+        # the collective/ipc transports' code, loaded when that transport is used
         from grpo_train.refit import ipc
 
         self._ipc_tensors, handles = ipc.send_ipc(self._refit_tensors())  # kept alive while engines map them

@@ -32,14 +32,16 @@ def train_epochs(cfg: GRPOMasterConfig, parts: PPOComponents, batch, train_polic
 
 
 def train_ppo(cfg: GRPOMasterConfig, parts: PPOComponents, logger, checkpoints, state: TrainerState) -> TrainerState:
+    ppo = cfg.ppo
+    assert ppo is not None  # algorithm: ppo has its section (config.schema.root)
     run = SyncRun(cfg, parts, logger, checkpoints, state)
     while (step := run.next_step()) is not None:
         result, sampling_metrics = run.generate(step)
         batch, metrics = run.batch(result.rollouts, prepare_ppo_batch)
         metrics |= mask_by_logprob_error(cfg.grpo, batch)
         with run.timer("values"):
-            metrics |= add_values_and_advantages(cfg, parts.value, batch)
-        train_policy = step >= cfg.ppo.policy_training_start_step
+            metrics |= add_values_and_advantages(ppo, cfg.loss_fn, parts.value, batch)
+        train_policy = step >= ppo.policy_training_start_step
         with run.timer("train"):
             metrics |= train_epochs(cfg, parts, batch, train_policy)
         if train_policy:

@@ -15,7 +15,7 @@ import ray
 import torch
 
 from grpo_train.batch import Rollout
-from grpo_train.config.schema import GRPOMasterConfig
+from grpo_train.config.schema import GRPOConfig, GRPOMasterConfig, LossConfig, PolicyConfig, PPOConfig
 from grpo_train.group_estimators import kl_in_reward
 from grpo_train.ppo.estimators import EstimatorInput, compute_ppo_advantages
 from grpo_train.ppo.gae import last_token_rewards
@@ -66,15 +66,16 @@ def build_ppo_components(cfg: GRPOMasterConfig, model_path: str) -> PPOComponent
     return PPOComponents(**{f.name: getattr(parts, f.name) for f in fields(Components)}, value=value)
 
 
-def prepare_ppo_batch(cfg: GRPOMasterConfig, rollouts: list[Rollout], pad_id: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+def prepare_ppo_batch(grpo: GRPOConfig, policy: PolicyConfig, rollouts: list[Rollout],
+                      pad_id: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """GRPO's `prepare_batch` (rewards scaled and shaped, overlong filtering, [B, S] tensors with
     `scores` [B]) plus the count of masked samples; advantages come later (they need values)."""
-    batch, metrics = prepare_batch(cfg, rollouts, pad_id)
+    batch, metrics = prepare_batch(grpo, policy, rollouts, pad_id)
     metrics["masked_samples"] = float((batch["sample_mask"] == 0).sum())
     return batch, metrics
 
 
-def token_rewards(cfg: GRPOMasterConfig, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def token_rewards(loss: LossConfig, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """[B, S]: the sequence reward on the last response token, minus the optional per-token KL penalty.
 
     With loss_fn.use_kl_in_reward every response token's reward gets -beta * k(prev || ref), with
@@ -83,7 +84,6 @@ def token_rewards(cfg: GRPOMasterConfig, batch: dict[str, torch.Tensor]) -> torc
     gradient flows through it.
     """
     rewards = last_token_rewards(batch["scores"], batch["token_mask"])
-    loss = cfg.loss_fn
     if loss.use_kl_in_reward:
         rewards = rewards - kl_in_reward(batch["prev_logprobs"], batch["ref_logprobs"], batch["token_mask"],
                                          loss.reference_policy_kl_penalty, loss.reference_policy_kl_type,
@@ -91,13 +91,13 @@ def token_rewards(cfg: GRPOMasterConfig, batch: dict[str, torch.Tensor]) -> torc
     return rewards
 
 
-def add_values_and_advantages(cfg: GRPOMasterConfig, value, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+def add_values_and_advantages(ppo: PPOConfig, loss: LossConfig, value, batch: dict[str, torch.Tensor]) -> dict[str, float]:
     """Rollout-time values, token-level advantages and value targets into `batch`; returns their metrics."""
     batch["values"] = ray.get(value.values.remote(batch))  # [B, S] old values, fixed for the ppo_epochs
     mask = batch["token_mask"]
-    x = EstimatorInput(rewards=token_rewards(cfg, batch), values=batch["values"], token_mask=mask,
+    x = EstimatorInput(rewards=token_rewards(loss, batch), values=batch["values"], token_mask=mask,
                        sample_mask=batch["sample_mask"], response_lengths=mask.sum(dim=1))
-    batch["advantages"], batch["returns"] = compute_ppo_advantages(cfg.ppo.adv_estimator, x)
+    batch["advantages"], batch["returns"] = compute_ppo_advantages(ppo.adv_estimator, x)
     n = mask.sum().clamp(min=1)
     residual = (batch["returns"] - batch["values"]) * mask
     returns_var = ((batch["returns"] - (batch["returns"] * mask).sum() / n) * mask).pow(2).sum() / n

@@ -50,6 +50,7 @@ class ValueGroup(RankGroup):
                  global_batch_size: int, seed: int, num_threads: int = 1, start: bool = True) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        # the worker module (torch, transformers) loads when the group starts its actors
         from grpo_train.ppo.value_worker import ValueWorker
 
         self.world_size = cfg.num_workers

@@ -32,6 +32,7 @@ def iter_refit_tensors(model: torch.nn.Module, gather: bool = True) -> Iterator[
     """
     import torch
 
+    # with torch above: the refit package stays importable without torch
     from grpo_train.model_families import family_of
 
     family = family_of(model.config) if hasattr(model, "config") else None

@@ -1,13 +1,14 @@
-"""`data`: the dataset entries (grpo-data's keys, grpo_data.config.DatasetEntry) and the dataloader."""
+"""`data`: grpo-data's own section (grpo_data.config.DataConfig) with its dataset entries (DatasetEntry)."""
 
 from __future__ import annotations
 
+import dataclasses
 import typing
-from typing import Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+import grpo_data.config
 from grpo_data.config import DATASET_KEYS, DatasetEntry, DatasetKeyError
 from grpo_train.config.schema.base import Section, section_of
 
@@ -36,21 +37,38 @@ class DatasetConfig(_DatasetSection):
         return self
 
 
-class DataConfig(Section):
-    max_input_seq_length: int = Field(default=512, ge=1)
-    """Longer prompts are truncated and get loss_multiplier 0 (counted)."""
-    shuffle: bool = True
-    num_workers: int = Field(default=0, ge=0)
-    """DataLoader worker processes."""
-    default: DatasetConfig = DatasetConfig()
-    """Defaults filled into every dataset entry (only the keys that apply to its kind)."""
-    train: DatasetConfig | list[DatasetConfig] = DatasetConfig(dataset_name="arithmetic")
-    validation: DatasetConfig | list[DatasetConfig] | None = None
-    use_multiple_dataloader: bool = False
-    num_prompts_per_dataloader: int | None = None
-    custom_dataloader: str | None = None
-    """`module:function` sampling function over several dataloaders."""
-    bad_rows: Literal["refuse", "skip"] = "refuse"
-    """Rows of data files that cannot become prompts (wrong types, invalid Unicode or UTF-8, deep
-    nesting, a failing processor; checked once when the datasets are built): refuse stops with
-    the file and row; skip leaves them out and logs the count (grpo_data.bad_rows)."""
+# The data section's keys are grpo-data's too (grpo_data.config.DataConfig, which build_data and
+# make_train_iterator take); its dataset entries become DatasetConfig sections here.
+if typing.TYPE_CHECKING:  # the static view of the same section (see loss._PGLossSection)
+
+    class _DataSection(Section, grpo_data.config.DataConfig): ...  # pyright: ignore[reportGeneralTypeIssues]
+else:
+    _DataSection = section_of(grpo_data.config.DataConfig, "DataSection", nested={DatasetEntry: DatasetConfig})
+
+
+class DataConfig(_DataSection):
+    """`data`: grpo_data.config.DataConfig's keys; grpo-data reads them from `data_config()`."""
+
+    @model_validator(mode="after")
+    def _section_values(self) -> DataConfig:
+        try:
+            self.data_config()
+        except DatasetKeyError as err:
+            detail = InitErrorDetails(type=PydanticCustomError("data_key", "{reason}", {"reason": err.reason}),
+                                      loc=(err.key,), input=getattr(self, err.key))
+            raise ValidationError.from_exception_data(type(self).__name__, [detail]) from None
+        return self
+
+    def data_config(self) -> grpo_data.config.DataConfig:
+        """grpo-data's own config of this section (what build_data and make_train_iterator take)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(grpo_data.config.DataConfig)}
+        values["default"] = _entry(self.default)
+        for part in ("train", "validation"):
+            value = values[part]
+            values[part] = _entry(value) if isinstance(value, DatasetConfig) else (
+                None if value is None else [_entry(e) for e in value])
+        return grpo_data.config.DataConfig(**values)
+
+
+def _entry(section: DatasetEntry) -> DatasetEntry:  # a DatasetConfig (statically a DatasetEntry)
+    return DatasetEntry(**{k: getattr(section, k) for k in DATASET_KEYS})
