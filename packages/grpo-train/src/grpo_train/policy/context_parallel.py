@@ -203,6 +203,7 @@ def _register_cp_attention() -> None:
 def cp_model_problem(config) -> str | None:
     """Why a model (its HF config) cannot run under CP, or None: CP rings transformers' SDPA attention
     over full causal attention only (no sliding window, no attention logit soft-capping)."""
+    # model_families: read only when a CP model is checked
     from grpo_train.model_families import family_of
 
     impl = getattr(config, "_attn_implementation", None) or "sdpa"

@@ -250,6 +250,7 @@ class WorkerCore:
         return os.getpid()
 
     def free_address(self) -> tuple[str, int]:
+        # refit.buckets: loaded when a process group or the collective transport is set up
         from grpo_train.refit.buckets import free_address
 
         return free_address()

@@ -127,6 +127,7 @@ class PolicyWorker(WorkerCore):
 
     def _logprobs(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         if self._cp_mesh is not None:  # the row's tokens sharded over cp, ring attention; full logprobs back
+            # context_parallel (torch's ring attention internals): loaded only under context_parallel_size > 1
             from grpo_train.policy.context_parallel import cp_sequence_logprobs
 
             return self._run(model, cp_sequence_logprobs, batch["input_ids"], batch["attention_mask"],
@@ -453,6 +454,7 @@ class PolicyWorker(WorkerCore):
         weights; their forwards shard each row's tokens over cp. Returns the dp sub-mesh."""
         from torch.distributed.device_mesh import init_device_mesh
 
+        # context_parallel (torch's ring attention internals): loaded only under context_parallel_size > 1
         from grpo_train.policy.context_parallel import register_cpu_ring_attention, use_cp_attention
 
         if shards:  # refused by the config for a set `enabled`; null shards on GPUs
