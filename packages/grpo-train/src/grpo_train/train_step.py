@@ -5,7 +5,6 @@ The batch components of the step (`step.py` strings them into phases), shared by
 
 from __future__ import annotations
 
-import ray
 import torch
 
 from grpo_train.advantages import groups_with_signal, scale_rewards, shape_rewards
@@ -131,13 +130,13 @@ def add_logprobs(cfg: GRPOMasterConfig, policy, batch: dict[str, torch.Tensor]) 
     prev is left to the policy's train call (ref alone is computed here)."""
     if reuses_prev_logprobs(cfg):
         if cfg.loss_fn.reference_policy_kl_penalty > 0:
-            batch["ref_logprobs"] = ray.get(policy.logprobs.remote(batch, reference=True))
+            batch["ref_logprobs"] = policy.logprobs(batch, reference=True)
         return
     if cfg.loss_fn.reference_policy_kl_penalty > 0:
-        both = ray.get(policy.logprobs_and_reference.remote(batch))  # [2, B, S]
+        both = policy.logprobs_and_reference(batch)  # [2, B, S]
         batch["prev_logprobs"], batch["ref_logprobs"] = both[0].clone(), both[1].clone()  # own storage each
     else:
-        batch["prev_logprobs"] = ray.get(policy.logprobs.remote(batch))
+        batch["prev_logprobs"] = policy.logprobs(batch)
 
 
 def refit_limits(cfg: GRPOMasterConfig) -> refit_check.RefitLimits:
@@ -174,6 +173,6 @@ def check_refit(cfg: GRPOMasterConfig, policy, generator, rollouts: list[Rollout
     prompt_lens = [len(r.prompt_ids) for r in probe if r.response_ids]
     if not sequences:
         return {}
-    trainer = ray.get(policy.score.remote(sequences, prompt_lens))
-    generated = ray.get(generator.score.remote(sequences, prompt_lens))
+    trainer = policy.score(sequences, prompt_lens)
+    generated = generator.score(sequences, prompt_lens)
     return refit_check.gate_refit(trainer, generated, refit_limits(cfg)).metrics()
