@@ -115,7 +115,7 @@ def test_kl_in_reward_refuses_the_loss_only_kl_options():
 
 
 class RecordingPolicy:
-    """A policy stand-in: records each call; `.remote` answers at once (ray.get is patched to the identity)."""
+    """A policy group stand-in: records each call and answers at once."""
 
     def __init__(self, rows: int, cols: int):
         self.calls: list[str] = []
