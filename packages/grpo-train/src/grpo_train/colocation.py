@@ -74,9 +74,9 @@ class MemoryChoreography:
         return memory if memory is not None else cls(None, None, active=False)
 
     def engines_replaced(self, generator) -> None:
-        """An engine was restarted (engine_faults) inside `generator`, the group later phases sleep
-        and wake. The restart happens inside a phase that has the engines awake, and a new engine
-        starts awake."""
+        """An engine of `generator` (the group that later phases sleep and wake) was restarted
+        (engine_faults). The restart happens inside a phase that has the engines awake, and a new
+        engine starts awake."""
         self.generator = generator
         if self.active:
             self.trace.append(("engines_replaced", ""))
