@@ -43,9 +43,9 @@ token_mask = mask.float().clone()
 token_mask[:, :3] = 0
 batch = {"input_ids": torch.randint(3, 20, (4, 10), generator=g), "attention_mask": mask, "token_mask": token_mask,
          "sample_mask": torch.ones(4), "gen_logprobs": torch.zeros(4, 10), "advantages": torch.randn(4, 1, generator=g) * token_mask}
-batch["prev_logprobs"] = ray.get(group.logprobs.remote(batch))
-metrics = ray.get(group.train.remote(batch))
-print(json.dumps({"ranks": ray.get(group.whereabouts.remote()), "loss": metrics["loss"],
+batch["prev_logprobs"] = group.logprobs(batch)
+metrics = group.train(batch)
+print(json.dumps({"ranks": group.whereabouts(), "loss": metrics["loss"],
                   "grad_norm": metrics["grad_norm"], "nodes": len(ray.nodes())}))
 group.close()
 """

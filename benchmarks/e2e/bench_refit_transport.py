@@ -48,7 +48,7 @@ def main() -> int:
     engine = make_generation_actor("vllm", model, num_cpus=1, dtype="float32", max_model_len=64, kv_cache_space_gb=0.125)
     policy = PolicyGroup(model, cfg, LossConfig(), ClusterConfig(), seed=0, num_threads=1)
     ray.get(engine.ready.remote())
-    metas = ray.get(policy.weight_metadata.remote())
+    metas = policy.weight_metadata()
     total = sum(m.nbytes() for m in metas)
     rows = []
     for name, bucket_bytes in VARIANTS:
@@ -57,7 +57,7 @@ def main() -> int:
         seconds = []
         for version in range(args.pushes):
             start = time.perf_counter()
-            push_weights(policy, engine, version)
+            push_weights(policy, version)
             seconds.append(time.perf_counter() - start)
         buckets = len(plan_buckets(metas, bucket_bytes)) if name == "collective" else "-"
         rows.append(f"| {name} | {bucket_bytes / MIB:g} | {buckets} | {statistics.median(seconds) * 1000:.1f} |")

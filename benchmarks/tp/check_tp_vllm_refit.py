@@ -55,10 +55,10 @@ def main() -> int:
                            dtensor_cfg=DTensorConfig(tensor_parallel_size=2), generation={"temperature": TEMPERATURE})
         start = time.perf_counter()
         group = PolicyGroup(model, cfg, LOSS, ClusterConfig(), seed=0, num_threads=1)
-        start_weights = ray.get(group.weights.remote())
+        start_weights = group.weights()
         batch = make_batch(6, seed=0)
-        lp = ray.get(group.logprobs_and_reference.remote(batch))
-        ray.get(group.train.remote({**batch, "prev_logprobs": lp[0], "ref_logprobs": lp[1]}))
+        lp = group.logprobs_and_reference(batch)
+        group.train({**batch, "prev_logprobs": lp[0], "ref_logprobs": lp[1]})
         print(f"TP=2 trainer up and one step taken: {time.perf_counter() - start:.0f} s", flush=True)
         start = time.perf_counter()
         engine = VllmGenerator(model, tensor_parallel_size=2, max_model_len=256, kv_cache_space_gb=0.25,
@@ -67,7 +67,7 @@ def main() -> int:
         try:
             seqs = [[3 + (7 * i + 5 * j) % 60 for i in range(40 + 9 * j)] for j in range(4)]
             plens = [len(s) - 12 for s in seqs]
-            trainer = ray.get(group.score.remote(seqs, plens))
+            trainer = group.score(seqs, plens)
             local = InProcess(engine)
             for version, transport in enumerate((ObjectStoreTransport(BUCKET_BYTES), CollectiveTransport(BUCKET_BYTES)),
                                                 start=1):
@@ -77,7 +77,7 @@ def main() -> int:
                 group.transport, group.generators = transport, [local]
                 transport.connect(group, [local])
                 start = time.perf_counter()
-                push_weights(group, None, version)
+                push_weights(group, version)
                 seconds = time.perf_counter() - start
                 try:
                     stats = gate_refit(trainer, engine.score(seqs, plens), DEFAULT_LIMITS["float32"])

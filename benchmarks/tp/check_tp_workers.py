@@ -50,16 +50,16 @@ def run(case: str, model_dir: str, folder: str) -> float:
     group = PolicyGroup(model_dir, cfg(workers, 2, enabled, precision), LOSS, ClusterConfig(), seed=0, num_threads=1)
     try:
         single.save(f"{folder}/{case}")
-        ray.get(group.load.remote(f"{folder}/{case}"))
+        group.load(f"{folder}/{case}")
         batch = make_batch(8, seed=0)
-        lp1, lp2 = single.logprobs_and_reference(batch), ray.get(group.logprobs_and_reference.remote(batch))
+        lp1, lp2 = single.logprobs_and_reference(batch), group.logprobs_and_reference(batch)
         errors = {"logprobs (max abs)": float((lp1 - lp2).abs().max())}
         m1 = single.train({**batch, "prev_logprobs": lp1[0], "ref_logprobs": lp1[1]})
-        m2 = ray.get(group.train.remote({**batch, "prev_logprobs": lp2[0], "ref_logprobs": lp2[1]}))
+        m2 = group.train({**batch, "prev_logprobs": lp2[0], "ref_logprobs": lp2[1]})
         errors.update({f"metric {k}": abs(m2[k] - m1[k]) / max(abs(m1[k]), 1e-6) for k in ("loss", "grad_norm")})
-        g1, g2 = single.gradients(), ray.get(group.gradients.remote())
+        g1, g2 = single.gradients(), group.gradients()
         errors["gradients (worst)"] = max(rel(g2[k], g1[k]) for k in g1 if float(g1[k].norm()) > 1e-6)
-        w1, w2 = single.weights(), ray.get(group.weights.remote())
+        w1, w2 = single.weights(), group.weights()
         errors["weights (worst)"] = max(rel(w2[k], w1[k]) for k in w1)
     finally:
         group.close()

@@ -82,6 +82,7 @@ def test_collector_stays_within_the_age_bound_and_pushes_wait_for_older_batches(
     from transformers import AutoTokenizer
 
     from grpo_train.collector import SharedParts, make_collector_actor
+    from grpo_train.generation.group import GeneratorGroup
     from grpo_train.replay_buffer import make_replay_buffer_actor
     from grpo_train.setup import build_datasets, build_envs
 
@@ -90,7 +91,7 @@ def test_collector_stays_within_the_age_bound_and_pushes_wait_for_older_batches(
     envs = build_envs(cfg)  # the driver's pools: the collector calls their actors
     shared = SharedParts(tokenizer, build_datasets(cfg, tokenizer)[0], envs)
     buffer = make_replay_buffer_actor(max_age=1)
-    collector = make_collector_actor(cfg, shared, engine, buffer, STEPS, next_target=1, version=0,
+    collector = make_collector_actor(cfg, shared, GeneratorGroup([engine]), buffer, STEPS, next_target=1, version=0,
                                      dataloader_state=None)
     try:
         ray.get(collector.start.remote())
@@ -178,7 +179,7 @@ def test_collective_push_into_the_async_engine_equals_the_object_store_push(ray_
         over_collective = sample()
         ray.get(engine.update_weights.remote(weights, 22))
         assert sample() == over_collective  # object store, same weights: bitwise the same
-        trainer_scores = ray.get(policy.score.remote(probe, probe_lens))
+        trainer_scores = policy.score(probe, probe_lens)
         assert check_refit(trainer_scores, scores_before, float("inf")) > 1e-2
         assert check_refit(trainer_scores, over_collective[1], float("inf")) <= 1e-5
 

@@ -2,8 +2,9 @@
 proven on CPU by a recorded lifecycle trace.
 
 The real sync GRPO, PPO and async GRPO loops run two steps against recording fakes (a policy
-group, an engine, a value group) with Ray's `get`/`put` replaced by the identity, so each fake
-records what it is asked to do in the order the loop asks: offload / reload / sleep / wake /
+group, a generator group, a value group; the async loop's collector and buffer actors with Ray's
+`get`/`put` replaced by the identity), so each fake records what it is asked to do in the order
+the loop asks: offload / reload / sleep / wake /
 generate / logprobs / train / push / validate / save. The expected sequences below are written by
 hand from the order colocation.py documents; the choreography's own trace must agree with what the
 actors received. Then: the phase rule (active only when colocated on GPUs), the per-part moves
@@ -38,11 +39,13 @@ class _Call:
 
 
 class Recorder:
-    """A fake actor: each listed method appends (event, detail) to the shared trace."""
+    """A fake group (plain methods) or, with `actor=True`, a fake actor (`.remote`): each listed
+    method appends (event, detail) to the shared trace."""
 
-    def __init__(self, trace: list, **methods):
+    def __init__(self, trace: list, actor: bool = False, **methods):
         for name, event in methods.items():
-            setattr(self, name, _Call(self._recording(trace, event)))
+            fn = self._recording(trace, event)
+            setattr(self, name, _Call(fn) if actor else fn)
 
     @staticmethod
     def _recording(trace, event):
@@ -61,7 +64,7 @@ def fake_run(trace: list, value: bool = False):
                       logprobs_and_reference="logprobs_and_reference")
     policy.start = lambda: trace.append(("trainer_start", ""))
     engine = Recorder(trace, ready="engine_ready", sleep="sleep", wake_up="wake", reseed=None)
-    memory = MemoryChoreography(policy, [engine], active=True)
+    memory = MemoryChoreography(policy, engine, active=True)
     data = SimpleNamespace(state_dict=dict, load_state_dict=lambda state: None)  # the loop rewinds on a retry
     parts = SimpleNamespace(policy=policy, generator=engine, memory=memory, train_data=data,
                             tokenizer=SimpleNamespace(pad_token_id=0), val_datums=[1],
@@ -149,10 +152,10 @@ def test_async_grpo_calls_the_same_phases_at_the_trainer_points(recorded, monkey
     choreography, the trainer side follows the sync order (generation is the collector's, not the loop's)."""
     parts, memory = fake_run(recorded)
     memory.start_engines_first()
-    collector = Recorder(recorded, start=None, stats=None, hold=None, release=None, shutdown=None)
+    collector = Recorder(recorded, actor=True, start=None, stats=None, hold=None, release=None, shutdown=None)
     collector.stats = _Call(lambda: {"idle_s": 0.0, "generate_s": 0.0})
     collector.hold = _Call(lambda *a: 0.0)  # seconds waited (None would mean the engine died under it)
-    buffer = Recorder(recorded, size=None)
+    buffer = Recorder(recorded, actor=True, size=None)
     group = SimpleNamespace(rollouts=[], epoch=0, env_metrics={})
     monkeypatch.setattr(async_loop, "make_collector", lambda *a, **k: (buffer, collector))
     monkeypatch.setattr(async_loop, "take_groups", lambda *a, **k: (recorded.append(("take_groups", "")), [group])[1])

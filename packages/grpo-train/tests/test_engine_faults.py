@@ -99,7 +99,7 @@ def test_sync_run_survives_a_killed_engine_then_stops_with_one_line(uninterrupte
             call = len(chunks) + 1
             if call in kills:
                 kills.discard(call)
-                kill_engine_process(generator)
+                kill_engine_process(generator.engines[0])
             chunk = real(generator, prompts[start:start + chunk_size], sampling, None)
             chunks.append((call, [(r.response_ids, r.response_logprobs) for r in chunk]))
             for r in chunk:
@@ -145,9 +145,9 @@ def test_async_run_survives_a_killed_engine_under_the_collector(uninterrupted, t
     def push_for_collector(cfg, parts, collector, version):
         # The loop's push without the async engine's pause options (the HF engine takes none; with
         # in-flight updates off they change nothing).
-        push_weights(parts.policy, parts.generator, version)
+        push_weights(parts.policy, version)
         if version == 1:
-            kill_engine_process(parts.generator)  # before the collector may start step 2's batch with it
+            kill_engine_process(parts.generator.engines[0])  # before the collector may start step 2's batch with it
         ray.get(collector.weights_loaded.remote(version))
 
     def take_groups(*args):
@@ -184,6 +184,7 @@ def test_a_dead_engine_of_a_group_is_replaced_alone_with_the_current_weights(ray
     from grpo_train.engine_faults import EngineFailed, EngineSupervisor
     from grpo_train.generation import SamplingSpec, make_generation_actor
     from grpo_train.generation.group import GeneratorGroup
+    from grpo_train.refit.object_store import ObjectStoreTransport
     from grpo_train.refit.tensors import state_dict_for_refit
 
     class Trainer:  # the policy side of an object-store push: its current weights
@@ -198,19 +199,31 @@ def test_a_dead_engine_of_a_group_is_replaced_alone_with_the_current_weights(ray
         def weights(self):
             return self.state
 
+    class TrainerGroup:
+        """The policy group's refit side (`attach`, `submit_weights`) over the trainer actor."""
+
+        def __init__(self, actor) -> None:
+            self.actor, self.transport, self.generators = actor, ObjectStoreTransport(1), []
+
+        def attach(self, transport, generators: list) -> None:
+            self.transport, self.generators = transport, list(generators)
+
+        def submit_weights(self):
+            return self.actor.weights.remote()
+
     start = partial(make_generation_actor, "hf", tiny_qwen2_dir, num_cpus=1, max_model_len=64, seed=0)
     group = GeneratorGroup([start(), start()])
     trainer = ray.remote(num_cpus=0)(Trainer).remote(tiny_qwen2_dir)
-    parts = SimpleNamespace(generator=group, policy=trainer, engine_factories=[start, start])
+    parts = SimpleNamespace(generator=group, policy=TrainerGroup(trainer), engine_factories=[start, start])
     prompts = [[3 + (5 * i + j) % 60 for j in range(6 + i)] for i in range(4)]
 
     def sample():
-        ray.get(group.reseed.remote(5))
+        group.reseed(5)
         return [(r.prompt_index, r.response_ids, r.response_logprobs)
-                for r in ray.get(group.generate.remote(prompts, SamplingSpec(max_new_tokens=4, n=2)))]
+                for r in group.generate(prompts, SamplingSpec(max_new_tokens=4, n=2))]
 
     try:
-        ray.get(group.update_weights.remote(trainer.weights.remote(), 3))
+        group.update_weights(trainer.weights.remote(), 3)
         before = sample()
         first, second = group.engines
         supervisor = EngineSupervisor(parts, max_restarts=1, version=lambda: 3)

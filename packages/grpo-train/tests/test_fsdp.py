@@ -49,7 +49,7 @@ def prepare(batch, logprobs):
 
 
 def group_logprobs(group):
-    return lambda b, **kw: ray.get(group.logprobs.remote(b, **kw))
+    return lambda b, **kw: group.logprobs(b, **kw)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -95,21 +95,21 @@ def synced_single_worker(group, model_dir: str, folder: Path, precision: str = "
     """A fresh single worker and the group in the same state: the group loads its checkpoint."""
     single = single_worker(model_dir, precision)
     single.save(str(folder))
-    ray.get(group.load.remote(str(folder)))
+    group.load(str(folder))
     return single
 
 
 def collective_refit(group) -> dict[str, torch.Tensor]:
     """The weights as a separately placed engine receives them over the collective transport
     (this process is the receiving rank of a real gloo group)."""
-    metas = ray.get(group.weight_metadata.remote())
-    host, port = ray.get(group.free_address.remote())
-    opened = group.open_collective.remote(host, port, 2, "gloo")
+    metas = group.weight_metadata()
+    host, port = group.free_address()
+    opened = group.submit_open_collective(host, port, 2, "gloo")
     receiver = open_group(host, port, 1, 2, "gloo")
     ray.get(opened)
-    sent = group.send_collective.remote(BUCKET_BYTES)
+    sent = group.submit_send_collective(BUCKET_BYTES)
     received = {name: t.clone() for name, t in receive_buckets(receiver, metas, BUCKET_BYTES, torch.device("cpu"))}
-    assert ray.get(sent) > 1
+    assert ray.get(sent)[0] > 1  # rank 0 broadcast the buckets
     return received
 
 
@@ -135,19 +135,19 @@ def test_lora_ranks_match_one_lora_worker(policy_batch, ray_session, tiny_qwen2_
         single = PolicyWorker(tiny_qwen2_dir, cfg(1), LOSS, seed=0)
         single.train(prepare(policy_batch(8, seed=1), single.logprobs))  # non-zero adapters to start from
         single.save(str(tmp_path / "start"))
-        ray.get(group.load.remote(str(tmp_path / "start")))
+        group.load(str(tmp_path / "start"))
         assert group._sharded == bool(fsdp)
         one = prepare(policy_batch(16, seed=0), single.logprobs)
         two = prepare(policy_batch(16, seed=0), group_logprobs(group))
         torch.testing.assert_close(two["prev_logprobs"], one["prev_logprobs"], rtol=0, atol=1e-6)
         torch.testing.assert_close(two["ref_logprobs"], one["ref_logprobs"], rtol=0, atol=1e-6)
         assert (one["prev_logprobs"] - one["ref_logprobs"]).abs().max() > 1e-3  # the adapters act
-        m1, m2 = single.train(one), ray.get(group.train.remote(two))
+        m1, m2 = single.train(one), group.train(two)
         assert_metrics_close(m2, m1)
-        grads = ray.get(group.gradients.remote())
+        grads = group.gradients()
         assert grads.keys() and all(".lora_A." in k or ".lora_B." in k for k in grads)
         assert_close_rel(grads, single.gradients(), "adapter gradients")
-        assert_close_rel(ray.get(group.weights.remote()), single.weights(), "merged refit")
+        assert_close_rel(group.weights(), single.weights(), "merged refit")
     finally:
         group.close()
 
@@ -197,17 +197,17 @@ def test_bf16_mixed_precision_ranks_reduce_fp32_gradients_as_one_worker(policy_b
         torch.set_num_threads(1)
         single = PolicyWorker(tiny_qwen2_dir, cfg(1), LOSS, seed=0)
         single.save(str(tmp_path / "start"))
-        ray.get(group.load.remote(str(tmp_path / "start")))
+        group.load(str(tmp_path / "start"))
         assert group._sharded
         one = prepare(policy_batch(8, seed=0), single.logprobs)
         two = prepare(policy_batch(8, seed=0), group_logprobs(group))
         torch.testing.assert_close(two["prev_logprobs"], one["prev_logprobs"], rtol=0, atol=0)
-        m1, m2 = single.train(one), ray.get(group.train.remote(two))
+        m1, m2 = single.train(one), group.train(two)
         assert_metrics_close(m2, m1)
-        grads = ray.get(group.gradients.remote())
+        grads = group.gradients()
         assert {g.dtype for g in grads.values()} == {torch.float32}
         assert_close_rel(grads, single.gradients(), "fp32-reduced gradients")
-        ray.get(group.save.remote(str(tmp_path / "saved")))
+        group.save(str(tmp_path / "saved"))
         masters = load_file(tmp_path / "saved" / "master_weights.safetensors")
         assert {t.dtype for t in masters.values()} == {torch.float32}
         assert_close_rel({k: masters[k] for k in single.master_weights()}, single.master_weights(), "masters")
@@ -228,12 +228,12 @@ def test_fsdp_ranks_match_one_worker_and_refit_full_weights(policy_batch, fsdp_g
     two = prepare(policy_batch(16, seed=0), group_logprobs(fsdp_group))
     torch.testing.assert_close(two["prev_logprobs"], one["prev_logprobs"], rtol=0, atol=1e-6)
     torch.testing.assert_close(two["ref_logprobs"], one["ref_logprobs"], rtol=0, atol=1e-6)
-    m1, m2 = single.train(one), ray.get(fsdp_group.train.remote(two))
+    m1, m2 = single.train(one), fsdp_group.train(two)
     assert_metrics_close(m2, m1)
     assert m1["grad_norm"] > policy_cfg(1).max_grad_norm  # the clip acts (on DTensor gradients in the group)
-    assert_close_rel(ray.get(fsdp_group.gradients.remote()), single.gradients(), "gradients")
+    assert_close_rel(fsdp_group.gradients(), single.gradients(), "gradients")
     w1 = single.weights()
-    assert_close_rel(ray.get(fsdp_group.weights.remote()), w1, "object_store refit")
+    assert_close_rel(fsdp_group.weights(), w1, "object_store refit")
     assert_close_rel(collective_refit(fsdp_group), w1, "collective refit")
     assert "lm_head.weight" not in w1  # tied: sent once, as the embedding
 
@@ -243,28 +243,28 @@ def test_fsdp_checkpoint_round_trips_bitwise_and_resumes_exactly(policy_batch, f
     it bitwise (weights, momentum buffers), write it back byte-identical in the unsharded format,
     and take the same next step as the group that never stopped."""
     fsdp_group, resumed = fsdp_groups
-    ray.get(fsdp_group.train.remote(prepare(policy_batch(8, seed=1), group_logprobs(fsdp_group))))
+    fsdp_group.train(prepare(policy_batch(8, seed=1), group_logprobs(fsdp_group)))
     saved = tmp_path / "saved"
-    ray.get(fsdp_group.save.remote(str(saved)))
+    fsdp_group.save(str(saved))
     resumed.start()
-    ray.get(resumed.load.remote(str(saved)))
-    ray.get(resumed.save.remote(str(tmp_path / "resaved")))
+    resumed.load(str(saved))
+    resumed.save(str(tmp_path / "resaved"))
     single = single_worker(tiny_qwen2_dir)
     single.load(str(saved))
     single.save(str(tmp_path / "unsharded"))
     for copy in ("resaved", "unsharded"):
         assert_checkpoints_equal(saved, tmp_path / copy)
     assert_state_equal(single.optimizer.state_dict(), load_state(saved, "optimizer"))
-    assert_state_equal(ray.get(resumed.weights.remote()), ray.get(fsdp_group.weights.remote()))
+    assert_state_equal(resumed.weights(), fsdp_group.weights())
 
     nxt = policy_batch(8, seed=2)
-    m_cont = ray.get(fsdp_group.train.remote(prepare(nxt, group_logprobs(fsdp_group))))
-    m_res = ray.get(resumed.train.remote(prepare(nxt, group_logprobs(resumed))))
+    m_cont = fsdp_group.train(prepare(nxt, group_logprobs(fsdp_group)))
+    m_res = resumed.train(prepare(nxt, group_logprobs(resumed)))
     m_one = single.train(prepare(nxt, single.logprobs))
     assert m_res == m_cont
-    assert_state_equal(ray.get(resumed.weights.remote()), ray.get(fsdp_group.weights.remote()))
+    assert_state_equal(resumed.weights(), fsdp_group.weights())
     assert_metrics_close(m_one, m_cont)
-    assert_close_rel(single.weights(), ray.get(fsdp_group.weights.remote()), "unsharded resume")
+    assert_close_rel(single.weights(), fsdp_group.weights(), "unsharded resume")
 
     # Rank 0 alone reads the checkpoint; a bad one fails on every rank instead of hanging one.
     bad = tmp_path / "bad"
@@ -296,7 +296,7 @@ def test_one_row_on_two_sharded_ranks_is_the_single_worker_step(policy_batch, fs
     one = prepare(policy_batch(1, seed=3), single.logprobs)
     two = prepare(policy_batch(1, seed=3), group_logprobs(fsdp_group))
     torch.testing.assert_close(two["prev_logprobs"], one["prev_logprobs"], rtol=0, atol=1e-6)
-    m1, m2 = single.train(one), ray.get(fsdp_group.train.remote(two))
+    m1, m2 = single.train(one), fsdp_group.train(two)
     assert_metrics_close(m2, m1)
     assert m2.keys() == m1.keys()
-    assert_close_rel(ray.get(fsdp_group.weights.remote()), single.weights(), "weights")
+    assert_close_rel(fsdp_group.weights(), single.weights(), "weights")

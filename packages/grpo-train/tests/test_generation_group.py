@@ -10,7 +10,7 @@ import ray
 import torch
 
 from grpo_train.generation import HFGenerator, SamplingSpec, make_generation_actor
-from grpo_train.generation.group import GeneratorGroup, engines_of
+from grpo_train.generation.group import GeneratorGroup
 from grpo_train.refit.tensors import state_dict_for_refit
 
 PROMPTS = [[3 + (5 * i + j) % 60 for j in range(6 + i)] for i in range(5)]  # 5 prompts over 2 engines: 2 + 3
@@ -25,7 +25,7 @@ def test_two_engines_answer_like_one(ray_session, tiny_qwen2_dir):
         oracle = HFGenerator(tiny_qwen2_dir, max_model_len=64, temperature_for_logprobs=0.7)
         greedy = SamplingSpec(temperature=0.0, max_new_tokens=4)
         expected = oracle.generate(PROMPTS, greedy)
-        got = ray.get(group.generate.remote(PROMPTS, greedy))
+        got = group.generate(PROMPTS, greedy)
         assert [r.prompt_index for r in got] == [r.prompt_index for r in expected] == [0, 1, 2, 3, 4]
         assert [r.response_ids for r in got] == [r.response_ids for r in expected]
         for a, b in zip(got, expected):
@@ -34,14 +34,18 @@ def test_two_engines_answer_like_one(ray_session, tiny_qwen2_dir):
 
         sequences = [r.prompt_ids + r.response_ids for r in expected]
         prompt_lens = [len(r.prompt_ids) for r in expected]
-        scores = ray.get(group.score.remote(sequences, prompt_lens))
+        scores = group.score(sequences, prompt_lens)
         for a, b in zip(scores, oracle.score(sequences, prompt_lens)):
             torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
 
         weights = state_dict_for_refit(oracle.model)
-        ray.get(group.update_weights.remote(ray.put(weights), 3))
+        group.update_weights(ray.put(weights), 3)
         assert ray.get([e.weight_version.remote() for e in engines]) == [3, 3]
-        assert ray.get(group.weight_version.remote()) == 3
-        assert engines_of(group) == engines and engines_of(engines[0]) == [engines[0]]
+        assert group.weight_version() == 3
+        one = GeneratorGroup(engines[:1])  # the loops hold a group for one engine too: the same answers
+        assert [r.response_ids for r in one.generate(PROMPTS, greedy)] == [r.response_ids for r in expected]
+        for a, b in zip(one.score(sequences, prompt_lens), oracle.score(sequences, prompt_lens), strict=True):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+        assert group.dead() == []
     finally:
         group.close()

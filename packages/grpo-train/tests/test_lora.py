@@ -4,6 +4,7 @@ reference without a copy, the merged refit, bf16 masters, checkpoints and resume
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -243,7 +244,7 @@ def test_adapter_refit_is_accepted_and_its_unsupported_combinations_are_refused_
     factories = engine_factories(cfg, "/model", policy)
     assert [f.keywords["lora_adapter"] for f in factories] == [{"dim": 8, "alpha": 32}]
     attach_generators(cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"gpus_per_node": 1})}),
-                      policy, generator=object())  # auto on separate GPUs would be collective
+                      policy, generator=SimpleNamespace(engines=[]))  # auto on separate GPUs would be collective
     assert type(policy.transport).__name__ == "ObjectStoreTransport"
     merged = validate_config_dict({"policy": {"dtensor_cfg": {"lora_cfg": {"enabled": True}}}})
     assert "lora_adapter" not in engine_factories(merged, "/model", policy)[0].keywords
@@ -263,4 +264,11 @@ def test_adapter_refit_is_accepted_and_its_unsupported_combinations_are_refused_
     assert "grpo.async_grpo with policy.dtensor_cfg.lora_cfg.refit: adapter is not supported" in refused(
         {"grpo": {"async_grpo": {"enabled": True}}, "loss_fn": {"use_importance_sampling_correction": True}})
     big = {"dtensor_cfg": {"lora_cfg": {**adapter["policy"]["dtensor_cfg"]["lora_cfg"], "dim": 513}}}
-    assert "policy.dtensor_cfg.lora_cfg.dim: 513 with refit: adapter exceeds" in refused({"policy": big})
+    assert "policy.dtensor_cfg.lora_cfg.dim: 513 with refit: adapter exceeds vLLM's largest max_lora_rank (512)" in refused(
+        {"policy": big})
+    # The engine's side reads the same bound (config/schema/generation.py): 512 fits, 513 does not.
+    from grpo_train.generation.lora_adapter import vllm_max_lora_rank
+
+    assert vllm_max_lora_rank(512) == 512 and vllm_max_lora_rank(300) == 320
+    with pytest.raises(ValueError, match="exceeds vLLM's largest max_lora_rank 512"):
+        vllm_max_lora_rank(513)

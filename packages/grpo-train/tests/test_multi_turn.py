@@ -41,10 +41,11 @@ def tokenizer(model_dir):
 @pytest.fixture(scope="module")
 def generator(ray_session, model_dir):
     from grpo_train.generation import make_generation_actor
+    from grpo_train.generation.group import GeneratorGroup
 
     actor = make_generation_actor("hf", model_dir, num_cpus=0, max_model_len=128, seed=0)
     ray_session.get(actor.ready.remote())
-    yield actor
+    yield GeneratorGroup([actor])  # what the loops hold
     ray_session.kill(actor)
 
 
@@ -59,8 +60,7 @@ def test_multi_turn_rollout_masks_observations_and_sums_rewards(generator, token
     # Targets the model will not hit first time, so conversations continue.
     datums = [datum(tokenizer, "12+30=", 999), datum(tokenizer, "5+5=", 998)]
     sampling = SamplingSpec(temperature=1.0, max_new_tokens=4, n=2, stop_token_ids=(tokenizer.eos_token_id,))
-    ray_generator = generator
-    result = multi_turn_rollout(ray_generator, envs, datums, sampling, tokenizer, max_turns=3, max_total_len=128)
+    result = multi_turn_rollout(generator, envs, datums, sampling, tokenizer, max_turns=3, max_total_len=128)
     assert len(result.rollouts) == 4
     assert [r.prompt_index for r in result.rollouts] == [0, 0, 1, 1]
     for r in result.rollouts:
@@ -91,9 +91,11 @@ def arith(ray_session):
     from grpo_train.generation import make_generation_actor
 
     path = str(builtin_model_path("arith-tiny"))
+    from grpo_train.generation.group import GeneratorGroup
+
     actor = make_generation_actor("hf", path, num_cpus=0, max_model_len=64, seed=0)
     ray_session.get(actor.ready.remote())
-    yield actor, AutoTokenizer.from_pretrained(path)
+    yield GeneratorGroup([actor]), AutoTokenizer.from_pretrained(path)
     ray_session.kill(actor)
 
 
@@ -102,7 +104,7 @@ def test_solved_conversation_stops_and_is_rewarded(arith):
     envs = {"number_guess": EnvPool("number_guess", {"max_turns": 4}, num_workers=1, in_process=True)}
     greedy = SamplingSpec(greedy=True, max_new_tokens=4, n=1, stop_token_ids=(tok.eos_token_id,))
     prompt = tok("12+30=", add_special_tokens=False)["input_ids"]
-    (first,) = ray_get(generator.generate.remote([prompt], greedy))
+    (first,) = generator.generate([prompt], greedy)
     guess = int(first.text.strip())  # the model answers additions with an integer
     result = multi_turn_rollout(generator, envs, [datum(tok, "12+30=", guess)], greedy, tok, max_turns=4, max_total_len=64)
     (r,) = result.rollouts
@@ -111,9 +113,3 @@ def test_solved_conversation_stops_and_is_rewarded(arith):
     result = multi_turn_rollout(generator, envs, [datum(tok, "12+30=", guess + 1000)], greedy, tok, max_turns=4, max_total_len=64)
     (r,) = result.rollouts
     assert r.turns == 4 and r.reward == 0.0
-
-
-def ray_get(ref):
-    import ray
-
-    return ray.get(ref)

@@ -7,7 +7,6 @@ gradients and updated weights (fp32, 1e-6 relative)."""
 from __future__ import annotations
 
 import pytest
-import ray
 import torch
 
 from grpo_train.actor_group import split_rows
@@ -65,7 +64,7 @@ def synced_single_worker(group, model_dir: str, folder):
     torch.set_num_threads(1)
     single = PolicyWorker(model_dir, policy_cfg(1), LOSS, seed=0)
     single.save(str(folder))
-    ray.get(group.load.remote(str(folder)))
+    group.load(str(folder))
     return single
 
 
@@ -77,10 +76,10 @@ def test_two_data_parallel_workers_match_one_worker(gloo_group, tiny_qwen2_dir, 
     one = prepare(make_batch(), single.logprobs)
     m1 = single.train(one)
     g1, w1 = single.gradients(), single.weights()
-    two = prepare(make_batch(), lambda b, **kw: ray.get(group.logprobs.remote(b, **kw)))
-    m2 = ray.get(group.train.remote(two))
-    g2, w2 = ray.get(group.gradients.remote()), ray.get(group.weights.remote())
-    ranks = ray.get(group.whereabouts.remote())
+    two = prepare(make_batch(), lambda b, **kw: group.logprobs(b, **kw))
+    m2 = group.train(two)
+    g2, w2 = group.gradients(), group.weights()
+    ranks = group.whereabouts()
     assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["pid"] != ranks[1]["pid"]
     torch.testing.assert_close(two["prev_logprobs"], one["prev_logprobs"], rtol=0, atol=1e-6)
     for key in ("loss", "grad_norm", "lr"):
@@ -96,8 +95,8 @@ def test_two_data_parallel_workers_match_one_worker(gloo_group, tiny_qwen2_dir, 
 def test_logprobs_and_reference_in_one_call_equal_the_two_calls_bitwise(gloo_group, make_batch):
     """The loop's one round trip for prev and ref logprobs returns exactly the two separate calls."""
     batch = make_batch(B=7, seed=5)  # 7 rows: ranks get 4 and 3 rows, the halves are concatenated
-    separate = prepare(batch, lambda b, **kw: ray.get(gloo_group.logprobs.remote(b, **kw)))
-    both = ray.get(gloo_group.logprobs_and_reference.remote(batch))
+    separate = prepare(batch, lambda b, **kw: gloo_group.logprobs(b, **kw))
+    both = gloo_group.logprobs_and_reference(batch)
     assert both.shape == (2, *batch["input_ids"].shape)
     assert torch.equal(both[0], separate["prev_logprobs"]) and torch.equal(both[1], separate["ref_logprobs"])
 
@@ -108,13 +107,13 @@ def test_one_row_on_two_ranks_is_the_single_worker_step(gloo_group, tiny_qwen2_d
     single = synced_single_worker(gloo_group, tiny_qwen2_dir, tmp_path)
     batch = {key: value[:1] for key, value in make_batch(B=8, seed=3).items()}
     one = prepare(batch, single.logprobs)
-    two = prepare(batch, lambda b, **kw: ray.get(gloo_group.logprobs.remote(b, **kw)))
+    two = prepare(batch, lambda b, **kw: gloo_group.logprobs(b, **kw))
     torch.testing.assert_close(two["prev_logprobs"], one["prev_logprobs"], rtol=0, atol=1e-6)
-    m1, m2 = single.train(one), ray.get(gloo_group.train.remote(two))
+    m1, m2 = single.train(one), gloo_group.train(two)
     assert m2.keys() == m1.keys() and m1["grad_norm"] > 0
     for key in ("loss", "grad_norm", "lr", "ratio_min", "ratio_max"):
         assert abs(m2[key] - m1[key]) <= RTOL * max(abs(m1[key]), 1e-12), (key, m1[key], m2[key])
-    w1, w2 = single.weights(), ray.get(gloo_group.weights.remote())
+    w1, w2 = single.weights(), gloo_group.weights()
     for name in w1:
         assert rel_err(w2[name], w1[name]) <= RTOL, name
 
@@ -192,9 +191,9 @@ def test_fsdp2_workers_match_one_gpu_worker(tiny_qwen2_dir, make_batch):
     for n in (1, 2):
         group = PolicyGroup(tiny_qwen2_dir, policy_cfg(n), LossConfig(reference_policy_kl_penalty=0.05), cluster, seed=0)
         b = dict(batch)
-        b["prev_logprobs"] = ray.get(group.logprobs.remote(b))
-        b["ref_logprobs"] = ray.get(group.logprobs.remote(b, reference=True))
-        out.append((ray.get(group.train.remote(b)), ray.get(group.weights.remote())))
+        b["prev_logprobs"] = group.logprobs(b)
+        b["ref_logprobs"] = group.logprobs(b, reference=True)
+        out.append((group.train(b), group.weights()))
         group.close()
     (m1, w1), (m2, w2) = out
     assert abs(m1["loss"] - m2["loss"]) <= 1e-5 * abs(m1["loss"])

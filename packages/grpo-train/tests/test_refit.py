@@ -264,7 +264,6 @@ def test_refit_from_a_tensor_parallel_trainer_passes_the_gate(ray_session, vllm_
     from grpo_train.refit.collective import CollectiveTransport
     from grpo_train.refit.object_store import ObjectStoreTransport
 
-    ray = ray_session
     cfg = PolicyConfig(precision="float32", train_global_batch_size=4, train_micro_batch_size=4, logprob_batch_size=4,
                        max_grad_norm=None, num_workers=2, generation={"temperature": TEMPERATURE},
                        optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.5}},
@@ -275,16 +274,16 @@ def test_refit_from_a_tensor_parallel_trainer_passes_the_gate(ray_session, vllm_
         mask = torch.ones_like(ids)
         batch = {"input_ids": ids, "attention_mask": mask, "token_mask": mask.float(), "sample_mask": torch.ones(4),
                  "gen_logprobs": torch.zeros(4, 24), "advantages": torch.tensor([[1.0], [-1.0], [0.5], [-0.5]]) * mask}
-        ray.get(group.train.remote({**batch, "prev_logprobs": ray.get(group.logprobs.remote(batch))}))
+        group.train({**batch, "prev_logprobs": group.logprobs(batch)})
         seqs = [p + [5, 6, 7, 8, 9, 10] for p in PROBE_PROMPTS]
         plens = [len(p) for p in PROBE_PROMPTS]
-        trainer = ray.get(group.score.remote(seqs, plens))
+        trainer = group.score(seqs, plens)
         start = state_dict_for_refit(base_model)
         for version, transport in enumerate((ObjectStoreTransport(64 * 1024), CollectiveTransport(64 * 1024)), 21):
             vllm_gen.update_weights(start, version - 10)
             assert refit_stats(trainer, vllm_gen.score(seqs, plens)).max_abs_diff > 0.05, "the step moved too little"
             group.attach(transport, [InProcess(vllm_gen)])
-            push_weights(group, None, version)
+            push_weights(group, version)
             assert vllm_gen.weight_version() == version
             stats = gate_refit(trainer, vllm_gen.score(seqs, plens), DEFAULT_LIMITS["float32"])
             print(f"\n[measure] TP=2 trainer -> engine over {transport.name}: max |dlogprob| {stats.max_abs_diff:.2e}")

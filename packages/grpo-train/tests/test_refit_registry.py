@@ -39,6 +39,10 @@ def test_auto_and_unknown_transports():
     assert choose_transport("auto", colocated=True, on_gpus=False) == "object_store"
     assert choose_transport("auto", colocated=False, on_gpus=True) == "collective"
     assert choose_transport("collective", colocated=True, on_gpus=False) == "collective"
+    # LoRA: adapters (a few MiB) always through the object store; merged weights as without LoRA
+    assert choose_transport("auto", colocated=False, on_gpus=True, lora_refit="adapter") == "object_store"
+    assert choose_transport("object_store", colocated=True, on_gpus=True, lora_refit="adapter") == "object_store"
+    assert choose_transport("auto", colocated=False, on_gpus=True, lora_refit="merged") == "collective"
     assert make_transport("collective", 0.5).bucket_bytes == 1 << 29
     with pytest.raises(ValueError, match="policy.generation.weight_transport: unknown transport 'nccl'"):
         make_transport("nccl", 1.0)

@@ -359,19 +359,13 @@ def test_refused_keys_fail_at_their_key_path(key, value):
     assert key in message and "set " in message, message
 
 
-class _Remote:
-    def __init__(self, fn):
-        self.remote = fn
-
-
 class FakeGenerator:
     """Records each generate call; answers n samples per prompt, prompt_index local to the call."""
 
     def __init__(self):
         self.calls = []
-        self.generate = _Remote(self._generate)
 
-    def _generate(self, prompts, sampling):
+    def generate(self, prompts, sampling):
         from grpo_train.generation.base import GenerationResult
 
         self.calls.append(len(prompts))
@@ -379,11 +373,10 @@ class FakeGenerator:
                 for i, p in enumerate(prompts) for k in range(sampling.n)]
 
 
-def test_generation_batch_size_submits_prompts_in_chunks(monkeypatch):
+def test_generation_batch_size_submits_prompts_in_chunks():
     from grpo_train.generation.base import SamplingSpec
     from grpo_train.rollout import single_turn as rollout
 
-    monkeypatch.setattr(rollout.ray, "get", lambda value: value)  # the fake answers values, not refs
     prompts = [[100 + i] for i in range(7)]
     gen = FakeGenerator()
     results = rollout.generate_in_chunks(gen, prompts, SamplingSpec(n=2), chunk_size=3)

@@ -56,18 +56,6 @@ def char_tokenizer(drop_reasoning: bool = False):
     return make_char_tokenizer(TOOL_TEMPLATE.replace("CUT", cut))
 
 
-class _Remote:
-    """`obj.method.remote(...)` as on an actor handle: runs here, result in Ray's object store."""
-
-    def __init__(self, fn) -> None:
-        self.fn = fn
-
-    def remote(self, *args):
-        import ray
-
-        return ray.put(self.fn(*args))
-
-
 class ScriptedPolicy:
     """Answers by the prompt: it follows its script (turns separated by "|") while the prompt holds
     fewer tool responses than script turns, then answers with the last tool result. Records
@@ -75,9 +63,8 @@ class ScriptedPolicy:
 
     def __init__(self, tokenizer, first_turn: dict[str, str]) -> None:
         self.tok, self.first_turn, self.calls = tokenizer, first_turn, []
-        self.generate = _Remote(self._generate)
 
-    def _generate(self, prompts: list[list[int]], sampling: SamplingSpec) -> list[GenerationResult]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingSpec) -> list[GenerationResult]:
         out = []
         for i, prompt in enumerate(prompts):
             text = self.tok.decode(prompt)
@@ -107,7 +94,7 @@ class ScriptedPolicy:
 
 
 @pytest.fixture
-def policy(ray_session):
+def policy():
     return ScriptedPolicy
 
 
@@ -266,7 +253,7 @@ class HalfToolPolicy(ScriptedPolicy):
     """Of each prompt's samples, the even ones call the calculator (and then answer with its
     result), the odd ones guess "7" at once."""
 
-    def _generate(self, prompts, sampling):
+    def generate(self, prompts, sampling):
         out = []
         for i, prompt in enumerate(prompts):
             text = self.tok.decode(prompt)

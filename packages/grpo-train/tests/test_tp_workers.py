@@ -40,14 +40,14 @@ def policy_cfg(num_workers: int, tp: int, sp: bool = False, packing: bool = Fals
 def collective_refit(group) -> dict[str, torch.Tensor]:
     """The weights as a separately placed engine receives them, bucket by bucket, over the collective
     transport (this process is the receiving rank of a real gloo group)."""
-    metas = ray.get(group.weight_metadata.remote())
-    host, port = ray.get(group.free_address.remote())
-    opened = group.open_collective.remote(host, port, 2, "gloo")
+    metas = group.weight_metadata()
+    host, port = group.free_address()
+    opened = group.submit_open_collective(host, port, 2, "gloo")
     receiver = open_group(host, port, 1, 2, "gloo")
     ray.get(opened)
-    sent = group.send_collective.remote(BUCKET_BYTES)
+    sent = group.submit_send_collective(BUCKET_BYTES)
     received = {name: t.clone() for name, t in receive_buckets(receiver, metas, BUCKET_BYTES, torch.device("cpu"))}
-    assert ray.get(sent) > 1
+    assert ray.get(sent)[0] > 1  # rank 0 broadcast the buckets
     return received
 
 
@@ -65,14 +65,14 @@ def check_resume(single, group, saved: str, batch: dict) -> None:
     def step(group_or_worker, lp):
         return group_or_worker({**batch, "prev_logprobs": lp[0], "ref_logprobs": lp[1]})
 
-    lp = ray.get(group.logprobs_and_reference.remote(batch))
-    metrics = ray.get(step(group.train.remote, lp))
-    want = ray.get(group.weights.remote())
-    ray.get(group.load.remote(saved))
-    lp_again = ray.get(group.logprobs_and_reference.remote(batch))
+    lp = group.logprobs_and_reference(batch)
+    metrics = step(group.train, lp)
+    want = group.weights()
+    group.load(saved)
+    lp_again = group.logprobs_and_reference(batch)
     assert torch.equal(lp_again, lp)
-    assert ray.get(step(group.train.remote, lp_again)) == metrics
-    got = ray.get(group.weights.remote())
+    assert step(group.train, lp_again) == metrics
+    got = group.weights()
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), "TP resume not bitwise"
     single.load(saved)
     step(single.train, single.logprobs_and_reference(batch))
@@ -90,24 +90,24 @@ def test_tp2_ranks_match_one_worker(policy_batch, ray_session, tiny_qwen2_dir, t
     try:
         assert group._sharded  # the ranks' parameters are DTensors: full-weight calls gather on every rank
         single.save(str(tmp_path / "start"))
-        ray.get(group.load.remote(str(tmp_path / "start")))
+        group.load(str(tmp_path / "start"))
         batch = policy_batch(6, seed=0)
         lp1 = single.logprobs_and_reference(batch)
-        lp2 = ray.get(group.logprobs_and_reference.remote(batch))
+        lp2 = group.logprobs_and_reference(batch)
         torch.testing.assert_close(lp2, lp1, rtol=0, atol=1e-5)
         one = {**batch, "prev_logprobs": lp1[0], "ref_logprobs": lp1[1]}
         two = {**batch, "prev_logprobs": lp2[0], "ref_logprobs": lp2[1]}
-        m1, m2 = single.train(one), ray.get(group.train.remote(two))
+        m1, m2 = single.train(one), group.train(two)
         assert m1["grad_norm"] > 1.0  # the clip acts (over TP-sharded and replicated gradients)
         assert m2.keys() == m1.keys()  # metrics counted once per dp group, not once per tp rank
         for key in m1:
             assert abs(m2[key] - m1[key]) <= RTOL * abs(m1[key]) + 1e-7, (key, m1[key], m2[key])
-        assert_close_rel(ray.get(group.gradients.remote()), single.gradients(), "gradients")
+        assert_close_rel(group.gradients(), single.gradients(), "gradients")
         w1 = single.weights()
         assert "lm_head.weight" not in w1  # tied: once, as the embedding
-        assert_close_rel(ray.get(group.weights.remote()), w1, "object_store refit")
+        assert_close_rel(group.weights(), w1, "object_store refit")
         assert_close_rel(collective_refit(group), w1, "collective refit (rank 0 sends, every rank gathers)")
-        ray.get(group.save.remote(str(tmp_path / "saved")))
+        group.save(str(tmp_path / "saved"))
         saved = load_file(Path(tmp_path / "saved" / "model" / "model.safetensors"))
         assert_close_rel(saved, w1, "checkpoint (unsharded HF format)")
         if not sp:  # one case suffices: SP and packing change activations, not the parameters' or checkpoint's layout
@@ -131,9 +131,9 @@ def test_tp2_gpu_ranks_match_one_gpu_worker(policy_batch, ray_session, tiny_qwen
         group = PolicyGroup(tiny_qwen2_dir, policy_cfg(workers, workers, sp and workers == 2, packing), LOSS, cluster,
                             seed=0)
         try:
-            lp = ray.get(group.logprobs_and_reference.remote(batch))
-            metrics = ray.get(group.train.remote({**batch, "prev_logprobs": lp[0], "ref_logprobs": lp[1]}))
-            results.append((lp, metrics, ray.get(group.gradients.remote()), ray.get(group.weights.remote())))
+            lp = group.logprobs_and_reference(batch)
+            metrics = group.train({**batch, "prev_logprobs": lp[0], "ref_logprobs": lp[1]})
+            results.append((lp, metrics, group.gradients(), group.weights()))
         finally:
             group.close()
     (lp1, m1, g1, w1), (lp2, m2, g2, w2) = results

@@ -115,7 +115,7 @@ def test_kl_in_reward_refuses_the_loss_only_kl_options():
 
 
 class RecordingPolicy:
-    """A policy stand-in: records each call; `.remote` answers at once (ray.get is patched to the identity)."""
+    """A policy group stand-in: records each call and answers at once."""
 
     def __init__(self, rows: int, cols: int):
         self.calls: list[str] = []
@@ -126,7 +126,7 @@ class RecordingPolicy:
             def __init__(self, name, answer):
                 self.name, self.answer = name, answer
 
-            def remote(self, batch, **kwargs):
+            def __call__(self, batch, **kwargs):
                 outer.calls.append(self.name + ("(reference)" if kwargs.get("reference") else ""))
                 return self.answer(kwargs)
 
@@ -135,8 +135,7 @@ class RecordingPolicy:
 
 
 @pytest.mark.parametrize("beta, calls", [(0.01, ["logprobs_and_reference"]), (0.0, ["logprobs"])])
-def test_add_logprobs_asks_for_prev_and_ref_in_one_call(monkeypatch, beta, calls):
-    monkeypatch.setattr(train_step.ray, "get", lambda ref: ref)
+def test_add_logprobs_asks_for_prev_and_ref_in_one_call(beta, calls):
     policy = RecordingPolicy(3, 4)
     batch = {"input_ids": torch.zeros(3, 4, dtype=torch.long)}
     # the logprob-error mask reads prev before training: the separate pass
@@ -166,10 +165,9 @@ def test_process_age_counts_from_the_process_start():
 
 
 @pytest.mark.parametrize("beta, calls", [(0.01, ["logprobs(reference)"]), (0.0, [])])
-def test_add_logprobs_leaves_prev_to_the_train_call_where_it_may_be_reused(monkeypatch, beta, calls):
+def test_add_logprobs_leaves_prev_to_the_train_call_where_it_may_be_reused(beta, calls):
     """Sync GRPO, one worker, nothing reading prev before training: only ref is fetched (the policy's
     train call takes prev from its forward, or runs the pass itself: test_policy_worker)."""
-    monkeypatch.setattr(train_step.ray, "get", lambda ref: ref)
     policy = RecordingPolicy(3, 4)
     batch = {"input_ids": torch.zeros(3, 4, dtype=torch.long)}
     add_logprobs(train_step.logprob_plan(cfg(loss_fn={"reference_policy_kl_penalty": beta})), policy, batch)

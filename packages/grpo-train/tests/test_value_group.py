@@ -65,20 +65,20 @@ def test_two_value_ranks_match_one_worker(group, tiny_qwen2_dir, make_batch):
     step's gradients, both steps' mean metrics, the weights and the new values agree."""
     single = ValueWorker(tiny_qwen2_dir, value_cfg(1), LOSS, GLOBAL_BATCH, seed=0)
     batch = make_batch()
-    m1, m2 = single.train(batch), ray.get(group.train.remote(batch))
+    m1, m2 = single.train(batch), group.train(batch)
     for key in ("value_loss", "value_mse", "value_clip_fraction", "value_grad_norm", "value_lr"):
         assert abs(m2[key] - m1[key]) <= RTOL * max(abs(m1[key]), 1e-12), (key, m1[key], m2[key])
-    g1, g2 = single.gradients(), ray.get(group.gradients.remote())
+    g1, g2 = single.gradients(), group.gradients()
     assert g1.keys() == g2.keys() and float(g1["backbone.embed_tokens.weight"].norm()) > 0
     for name in g1:
         assert rel_err(g2[name], g1[name]) <= RTOL, name
-    w1, w2 = single.weights(), ray.get(group.weights.remote())
+    w1, w2 = single.weights(), group.weights()
     for name in w1:
         assert rel_err(w2[name], w1[name]) <= RTOL, name
-    values = ray.get(group.values.remote(batch))
+    values = group.values(batch)
     assert values.abs().max() > 0
     torch.testing.assert_close(values, single.values(batch), rtol=0, atol=1e-6)
-    ranks = ray.get(group.whereabouts.remote())
+    ranks = group.whereabouts()
     assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["pid"] != ranks[1]["pid"]
 
 
@@ -86,15 +86,15 @@ def test_checkpoint_from_rank_0_resumes_every_rank_bitwise(group, tiny_qwen2_dir
     """Save, step, load, step again: the same metrics and weights to the bit on both ranks; the
     folder is the single worker's format (a single worker loads it to the same weights)."""
     folder = str(tmp_path / "value")
-    ray.get(group.save.remote(folder))
+    group.save(folder)
     assert (tmp_path / "value" / "model" / HEAD_FILE).is_file() and (tmp_path / "value" / "optimizer.safetensors").is_file()
-    saved = ray.get(group.weights.remote())
+    saved = group.weights()
     batch = make_batch(seed=1)
-    first = ray.get(group.train.remote(batch)), ray.get([w.weights.remote() for w in group.workers])
-    ray.get(group.load.remote(folder))
+    first = group.train(batch), ray.get([w.weights.remote() for w in group.workers])
+    group.load(folder)
     for rank_weights in ray.get([w.weights.remote() for w in group.workers]):
         assert all(rank_weights[k].equal(saved[k]) for k in saved)
-    again = ray.get(group.train.remote(batch)), ray.get([w.weights.remote() for w in group.workers])
+    again = group.train(batch), ray.get([w.weights.remote() for w in group.workers])
     assert again[0] == first[0]
     for before, after in zip(first[1], again[1]):
         assert all(after[k].equal(before[k]) for k in before)
@@ -112,8 +112,8 @@ def test_two_gpu_value_ranks_over_nccl_match_one_cpu_worker(ray_session, tiny_qw
     gpu = ValueGroup(tiny_qwen2_dir, value_cfg(2), LOSS, ClusterConfig(gpus_per_node=2), GLOBAL_BATCH, seed=0)
     try:
         batch = make_batch()
-        m1, m2 = single.train(batch), ray.get(gpu.train.remote(batch))
-        values, expected = ray.get(gpu.values.remote(batch)), single.values(batch)
+        m1, m2 = single.train(batch), gpu.train(batch)
+        values, expected = gpu.values(batch), single.values(batch)
     finally:
         gpu.close()
     assert m2["value_loss"] == pytest.approx(m1["value_loss"], rel=1e-4)

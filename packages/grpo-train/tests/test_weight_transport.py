@@ -107,14 +107,14 @@ def test_separate_engine_is_refit_over_the_collective_transport(ray_session, tin
         transport = make_transport("collective", 64 / (1 << 20))  # 64 KiB buckets: dozens per push
         transport.connect(policy, [engine])
         batch = train_batch()
-        batch["prev_logprobs"] = ray.get(policy.logprobs.remote(batch))
-        ray.get(policy.train.remote(batch))
+        batch["prev_logprobs"] = policy.logprobs(batch)
+        policy.train(batch)
         g = torch.Generator().manual_seed(2)
         probe = [torch.randint(3, 64, (24,), generator=g).tolist() for _ in range(3)]
         prompt_lens = [6, 6, 6]
 
         def refit_diff() -> float:
-            trainer = ray.get(policy.score.remote(probe, prompt_lens))
+            trainer = policy.score(probe, prompt_lens)
             return check_refit(trainer, ray.get(engine.score.remote(probe, prompt_lens)), float("inf"))
 
         assert refit_diff() > 1e-2  # the step moved the weights; the engine has the old ones
@@ -142,18 +142,19 @@ def test_colocated_engine_sleeps_and_is_refit_over_ipc(tiny_qwen2_dir):
                                    seed=0, gpu_memory_utilization=0.3, temperature_for_logprobs=TEMPERATURE,
                                    enable_sleep_mode=True)
     from grpo_train.colocation import MemoryChoreography
+    from grpo_train.generation.group import GeneratorGroup
 
     policy = PolicyGroup(tiny_qwen2_dir, cfg, LossConfig(), ClusterConfig(gpus_per_node=1), seed=0,
                          colocated_generation=True, start=False)
-    memory = MemoryChoreography(policy, [engine], active=True)
+    memory = MemoryChoreography(policy, GeneratorGroup([engine]), active=True)
     memory.start_engines_first()  # the engine profiles a clean GPU, sleeps; then the trainer moves in
     policy.attach(make_transport("ipc", 1.0), [engine])
     batch = train_batch()
     memory.for_training()
-    batch["prev_logprobs"] = ray.get(policy.logprobs.remote(batch))
-    ray.get(policy.train.remote(batch))
+    batch["prev_logprobs"] = policy.logprobs(batch)
+    policy.train(batch)
     memory.for_refit()  # gradients, optimizer state offloaded; the engine wakes
-    push_weights(policy, engine, 1)
+    push_weights(policy, 1)
     probe = [list(range(3, 27))]
-    trainer = ray.get(policy.score.remote(probe, [6]))
+    trainer = policy.score(probe, [6])
     assert check_refit(trainer, ray.get(engine.score.remote(probe, [6])), float("inf")) <= 1e-3

@@ -1,10 +1,9 @@
-"""Driver-side objects that the loops call like one Ray actor: `group.method.remote(...)`.
+"""What the data-parallel groups share: their ranks, and the row sharding around them.
 
-Job: the calling convention shared by `PolicyGroup` (data-parallel trainers) and
-`GeneratorGroup` (data-parallel engines), so a loop drives one actor or N the same way.
-A group method fans out to its actors, combines their answers and returns one ObjectRef.
-The data-parallel helpers below (row shards per optimizer step, metric merging, gradient sum)
-serve the policy and the value groups alike.
+Job: `RankGroup`, the base of `PolicyGroup` and `ppo.ValueGroup` (plain driver objects whose
+methods fan a call out to their Ray actors, wait, and return the combined value), and the
+data-parallel helpers (row shards per optimizer step, metric merging, gradient sum) that the
+policy and the value groups and their workers use alike.
 Boundary: no knowledge of what the actors compute.
 """
 
@@ -17,27 +16,6 @@ import ray
 import torch
 
 from grpo_train.batch import batch_size
-
-
-class _RemoteCall:
-    """`group.method.remote(*args)`: the actor-handle calling convention for a group method."""
-
-    def __init__(self, group, fn) -> None:
-        self._group, self._fn = group, fn
-
-    def remote(self, *args, **kwargs):
-        return self._fn(self._group, *args, **kwargs)
-
-
-class remote_method:  # noqa: N801 - used as a decorator, named like one
-    """Marks a group method as called with `.remote(...)`; the method returns an ObjectRef."""
-
-    def __init__(self, fn) -> None:
-        self._fn = fn
-        self.__doc__ = fn.__doc__
-
-    def __get__(self, group, owner=None):
-        return self if group is None else _RemoteCall(group, self._fn)
 
 
 class RankGroup:
@@ -64,14 +42,13 @@ class RankGroup:
     def rank0(self):
         return self.workers[0]
 
-    @remote_method
-    def ping(self):
-        ray.get([w.ping.remote() for w in self.workers])
-        return self.rank0.ping.remote()
+    def ping(self) -> int:
+        """Every rank answers; rank 0's pid."""
+        return ray.get([w.ping.remote() for w in self.workers])[0]
 
-    @remote_method
-    def whereabouts(self):
-        return ray.put(ray.get([w.whereabouts.remote() for w in self.workers]))
+    def whereabouts(self) -> list[dict]:
+        """Where each rank runs (Ray node id, IP, pid, rank)."""
+        return ray.get([w.whereabouts.remote() for w in self.workers])
 
     def close(self) -> None:
         for worker in self.workers:

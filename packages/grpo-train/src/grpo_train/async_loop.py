@@ -75,7 +75,7 @@ def train_async(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Traine
             batch, metrics = batch_with_logprobs(cfg, parts, memory, timer, rollouts, pad, prepare_batch)
             metrics |= add_advantages(cfg.grpo, cfg.loss_fn, rollouts, batch)
             with timer("train"):
-                metrics |= ray.get(parts.policy.train.remote(batch))
+                metrics |= parts.policy.train(batch)
             held = not in_flight  # the push waits for older batches, then holds the next one
             waited: list[float] = []
             metrics |= push_and_check(
@@ -135,7 +135,7 @@ def push_for_collector(cfg: GRPOMasterConfig, parts, collector, version: int) ->
     """`refit.push_weights` with the async engine's pause options; then the collector may
     generate with the new weights."""
     flags = cfg.grpo.async_grpo
-    push_weights(parts.policy, parts.generator, version, in_flight=flags.in_flight_weight_updates,
+    push_weights(parts.policy, version, in_flight=flags.in_flight_weight_updates,
                  reset_running_kv=flags.recompute_kv_cache_after_weight_updates)
     ray.get(collector.weights_loaded.remote(version))
 

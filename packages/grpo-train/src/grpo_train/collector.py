@@ -40,7 +40,7 @@ from typing import Any
 
 import ray
 
-from grpo_train.engine_faults import answers, is_engine_fault
+from grpo_train.engine_faults import is_engine_fault
 from grpo_train.replay_buffer import GroupEntry
 from grpo_train.rollout import rollout_batch
 from grpo_train.setup import build_train_iterator
@@ -100,11 +100,11 @@ class TrajectoryCollector:
                 await self._wait_for(lambda: self.version >= self.next_target - 1 - self.max_age)
                 async with self._lock:
                     self.idle_s += time.perf_counter() - idle
-                    engine = self.parts.generator  # the loop may replace it while this batch fails
+                    generator = self.parts.generator  # the loop may replace it while this batch fails
                     try:
                         await asyncio.to_thread(self._generate_batch, self.next_target, self.version)
                     except Exception as exc:
-                        if not is_engine_fault(exc) or await asyncio.to_thread(answers, engine):
+                        if not is_engine_fault(exc) or not await asyncio.to_thread(generator.dead):
                             raise
                         self._lost = type(getattr(exc, "cause", None) or exc).__name__
                         return
@@ -127,7 +127,7 @@ class TrajectoryCollector:
         self.batches += 1
 
     def rollout(self, datums: list, target: int, version: int, epoch: int = 0) -> list[GroupEntry]:
-        ray.get(self.parts.generator.reseed.remote(step_seed(self.cfg.grpo, target)))
+        self.parts.generator.reseed(step_seed(self.cfg.grpo, target))
         result = rollout_batch(self.cfg, self.parts, datums, self.sampling)
         record_rewards(self.train_data, result.rollouts)
         groups: list[list] = [[] for _ in datums]

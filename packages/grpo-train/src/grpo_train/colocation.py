@@ -20,8 +20,8 @@ So a GPU holds at most max(trainer, trainer weights + engine share, engine share
 sum (`grpo_train.plan` estimates each phase). Moves that are already done are skipped, so a
 phase function is cheap to call twice.
 
-Device-agnostic: this file issues calls (`offload`/`reload` on the policy group, `sleep`/`wake_up`
-on the engines) and never touches CUDA; the worker moves its tensors and calls
+Device-agnostic: this file issues calls (`offload`/`reload` on the policy group, `ready`/`sleep`/
+`wake_up` on the generator group) and never touches CUDA; the worker moves its tensors and calls
 `torch.cuda.empty_cache` (`PolicyWorker.offload`). Where nothing is colocated on a GPU (every CPU
 run, separate engines, the async engine) the choreography is inactive and issues nothing, so the CPU
 path is unchanged. Trace hook: every call it issues is appended to `trace` (and debug-logged) as
@@ -31,8 +31,7 @@ path is unchanged. Trace hook: every call it issues is appended to `trace` (and 
 from __future__ import annotations
 
 import logging
-
-import ray
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +50,13 @@ def colocated_on_gpus(cfg) -> bool:
 class MemoryChoreography:
     """The phases of a colocated run; inactive (no calls at all) when `active` is false.
 
-    `policy` is the PolicyGroup (methods `offload(parts)`, `reload()`, `start()` called through
-    `.remote`, like every group method); `engines` are the generation actors sharing its GPUs.
-    The state after `start_engines_first` is the training phase.
+    `policy` is the PolicyGroup (`offload(parts)`, `reload()`, `start()`); `generator` is the
+    GeneratorGroup whose engines share its GPUs (`ready()`, `sleep()`, `wake_up()`; an engine
+    restart replaces engines inside it). The state after `start_engines_first` is the training phase.
     """
 
-    def __init__(self, policy, engines: list, active: bool) -> None:
-        self.policy, self.engines, self.active = policy, list(engines), active
+    def __init__(self, policy, generator, active: bool) -> None:
+        self.policy, self.generator, self.active = policy, generator, active
         self.phase = "training"
         self.offloaded: tuple[str, ...] = ()
         self.engines_awake = False
@@ -66,24 +65,19 @@ class MemoryChoreography:
     @classmethod
     def for_run(cls, cfg, policy, generator) -> MemoryChoreography:
         """The run's choreography (built once in setup, kept on the components as `memory`)."""
-        # generation.group imports torch; this module needs only Ray
-        from grpo_train.generation.group import engines_of
-
-        return cls(policy, engines_of(generator), colocated_on_gpus(cfg))
+        return cls(policy, generator, colocated_on_gpus(cfg))
 
     @classmethod
     def of(cls, parts) -> MemoryChoreography:
         """The components' choreography, or an inactive one (components built without it)."""
         memory = getattr(parts, "memory", None)
-        return memory if memory is not None else cls(None, [], active=False)
+        return memory if memory is not None else cls(None, None, active=False)
 
     def engines_replaced(self, generator) -> None:
-        """An engine was restarted (engine_faults): later phases sleep and wake the new set. The
-        restart happens inside a phase that has the engines awake, and a new engine starts awake."""
-        # generation.group imports torch; this module needs only Ray
-        from grpo_train.generation.group import engines_of
-
-        self.engines = list(engines_of(generator))
+        """An engine of `generator` (the group that later phases sleep and wake) was restarted
+        (engine_faults). The restart happens inside a phase that has the engines awake, and a new
+        engine starts awake."""
+        self.generator = generator
         if self.active:
             self.trace.append(("engines_replaced", ""))
             self.engines_awake = True
@@ -94,8 +88,8 @@ class MemoryChoreography:
         touched), then sleep; then the trainer's ranks move to their GPUs."""
         if not self.active:
             return
-        self._call("engine_ready", [e.ready.remote() for e in self.engines])
-        self._call("sleep", [e.sleep.remote() for e in self.engines])
+        self._call("engine_ready", self.generator.ready)
+        self._call("sleep", self.generator.sleep)
         self.trace.append(("trainer_start", ""))
         self.policy.start()  # the ranks join and move to their GPUs (RankGroup.start)
         self.phase, self.engines_awake, self.offloaded = "training", False, ()
@@ -105,10 +99,10 @@ class MemoryChoreography:
         if not self.active:
             return
         if self.engines_awake:
-            self._call("sleep", [e.sleep.remote() for e in self.engines])
+            self._call("sleep", self.generator.sleep)
             self.engines_awake = False
         if self.offloaded:
-            self._call("reload", [self.policy.reload.remote()], ",".join(self.offloaded))
+            self._call("reload", self.policy.reload, ",".join(self.offloaded))
             self.offloaded = ()
         self.phase = "training"
 
@@ -117,7 +111,7 @@ class MemoryChoreography:
         if not self.active:
             return
         if self.offloaded and "weights" in self.offloaded:  # coming from generation: weights back first
-            self._call("reload", [self.policy.reload.remote()], ",".join(self.offloaded))
+            self._call("reload", self.policy.reload, ",".join(self.offloaded))
             self.offloaded = ()
         self._offload(REFIT_OFFLOAD)
         self._wake()
@@ -135,15 +129,15 @@ class MemoryChoreography:
     def _offload(self, parts: tuple[str, ...]) -> None:
         todo = tuple(p for p in parts if p not in self.offloaded)
         if todo:
-            self._call("offload", [self.policy.offload.remote(todo)], ",".join(todo))
+            self._call("offload", lambda: self.policy.offload(todo), ",".join(todo))
             self.offloaded = self.offloaded + todo
 
     def _wake(self) -> None:
         if not self.engines_awake:
-            self._call("wake", [e.wake_up.remote() for e in self.engines])
+            self._call("wake", self.generator.wake_up)
             self.engines_awake = True
 
-    def _call(self, event: str, refs: list, detail: str = "") -> None:
+    def _call(self, event: str, call: Callable[[], object], detail: str = "") -> None:
         self.trace.append((event, detail))
         log.debug("colocation: %s %s", event, detail)
-        ray.get(refs)
+        call()

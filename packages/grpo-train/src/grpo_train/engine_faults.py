@@ -18,16 +18,12 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import RayActorError
 
-from grpo_train.generation.group import GeneratorGroup, engines_of
 from grpo_train.refit import push_weights
 from grpo_train.train_step import check_refit
 
 T = TypeVar("T")
-# An engine that does not answer `weight_version` in this long is taken for dead (a live one
-# answers at once: nothing else is waiting on it when a phase has failed).
-PROBE_TIMEOUT_S = 120.0
 
 
 class EngineFailed(RuntimeError):
@@ -39,17 +35,9 @@ def is_engine_fault(exc: BaseException) -> bool:
     return isinstance(exc, RayActorError) or isinstance(getattr(exc, "cause", None), RayActorError)
 
 
-def answers(engine) -> bool:
-    try:
-        ray.get(engine.weight_version.remote(), timeout=PROBE_TIMEOUT_S)
-        return True
-    except (RayActorError, GetTimeoutError):
-        return False
-
-
 class EngineSupervisor:
-    """See the module docstring. `parts` holds `generator` (one engine or a `GeneratorGroup`),
-    `policy`, `engine_factories` (one per engine); `version` gives the current weight version."""
+    """See the module docstring. `parts` holds `generator` (the `GeneratorGroup`), `policy`,
+    `engine_factories` (one per engine); `version` gives the current weight version."""
 
     def __init__(self, parts, max_restarts: int, version: Callable[[], int],
                  refit_gate: Callable[[Any], None] | None = None) -> None:
@@ -75,18 +63,19 @@ class EngineSupervisor:
     def restart_dead(self, phase: str, cause: BaseException | str) -> bool:
         """Start the engines that no longer answer again (False: every engine answers, nothing
         was restarted); raises `EngineFailed` once the restarts are spent."""
-        engines = list(engines_of(self.parts.generator))
-        dead = [i for i, engine in enumerate(engines) if not answers(engine)]
+        group = self.parts.generator
+        dead = group.dead()
         if not dead:
             return False
         what = cause if isinstance(cause, str) else type(getattr(cause, "cause", None) or cause).__name__
         if self.restarts >= self.max_restarts or not self.parts.engine_factories:
             names = ", ".join(str(i) for i in dead)
             raise EngineFailed(
-                f"generation engine {names} of {len(engines)} died during {phase} ({what}) after {self.restarts} "
-                f"restart(s) (policy.generation.max_engine_restarts={self.max_restarts}); the last checkpoint "
-                "stays intact")
+                f"generation engine {names} of {len(group.engines)} died during {phase} ({what}) after "
+                f"{self.restarts} restart(s) (policy.generation.max_engine_restarts={self.max_restarts}); the last "
+                "checkpoint stays intact")
         self.restarts += 1
+        engines = list(group.engines)
         for i in dead:
             try:
                 ray.kill(engines[i])
@@ -94,23 +83,19 @@ class EngineSupervisor:
                 pass
             engines[i] = self.parts.engine_factories[i]()
         ray.get([engines[i].ready.remote() for i in dead])
-        if isinstance(self.parts.generator, GeneratorGroup):
-            self.parts.generator.engines = engines
-        else:
-            self.parts.generator = engines[0]
-        self._reload_weights(engines)
+        group.engines = engines
+        self._reload_weights()
         for listener in self.listeners:
-            listener(self.parts.generator)
+            listener(group)
         return True
 
-    def _reload_weights(self, engines: list) -> None:
-
-        policy = self.parts.policy
-        if getattr(policy, "transport", None) is not None:  # reconnect the run's transport to the new engines
-            policy.attach(policy.transport, engines)
-        push_weights(policy, self.parts.generator, self.version())
+    def _reload_weights(self) -> None:
+        """Reconnect the run's transport to the new engines, push the current weights, gate them."""
+        policy, group = self.parts.policy, self.parts.generator
+        policy.attach(policy.transport, group.engines)
+        push_weights(policy, self.version())
         if self.refit_gate is not None:
-            self.refit_gate(self.parts.generator)
+            self.refit_gate(group)
 
     def metrics(self) -> dict[str, float]:
         return {"generation/engine_restarts": float(self.restarts)}

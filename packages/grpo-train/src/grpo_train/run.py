@@ -144,7 +144,7 @@ def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None =
             # function-level: `import grpo_train.run` stays torch-free
             from grpo_train.refit import push_weights
 
-            push_weights(parts.policy, parts.generator, state.weight_version)
+            push_weights(parts.policy, state.weight_version)
             say(f"resumed from {resume_from} (step {state.step}; every file matched its manifest)")
         last = total_steps(cfg.grpo, parts.train_data)
         if state.step >= last:

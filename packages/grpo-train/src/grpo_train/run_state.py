@@ -12,8 +12,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import ray
-
 from grpo_train.checkpoint import CheckpointManager, load_rng_state, save_rng_state
 from grpo_train.state_io import load_state, save_state
 
@@ -40,8 +38,9 @@ def save_checkpoint(manager, parts, state: TrainerState, metrics: dict[str, floa
     `extra_files` (file stem -> object) are saved as state files `<stem>.{json,safetensors}`; the async loop's
     replay buffer and collector, whose "dataloader" (the collector's position) replaces the driver's."""
     def write(folder: Path) -> None:
-        ray.get(parts.policy.save.remote(str(folder / "policy")))
-        ray.get([actor.save.remote(str(folder / name)) for name, actor in (extra_workers or {}).items()])
+        parts.policy.save(str(folder / "policy"))
+        for name, group in (extra_workers or {}).items():
+            group.save(str(folder / name))
         for stem, obj in {"dataloader": parts.train_data.state_dict(), **(extra_files or {})}.items():
             save_state(obj, folder, stem)
         save_rng_state(folder)
@@ -51,8 +50,9 @@ def save_checkpoint(manager, parts, state: TrainerState, metrics: dict[str, floa
 
 def restore_checkpoint(folder: Path, parts, extra_workers: dict | None = None) -> TrainerState:
     """Load checkpoint `folder` (already checked against its manifest) into the run's parts."""
-    ray.get(parts.policy.load.remote(str(folder / "policy")))
-    ray.get([actor.load.remote(str(folder / name)) for name, actor in (extra_workers or {}).items()])
+    parts.policy.load(str(folder / "policy"))
+    for name, group in (extra_workers or {}).items():
+        group.load(str(folder / name))
     parts.train_data.load_state_dict(load_state(folder, "dataloader"))
     load_rng_state(folder)
     return TrainerState.from_json(CheckpointManager.load_trainer_state(folder))

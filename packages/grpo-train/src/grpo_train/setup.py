@@ -14,7 +14,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from grpo_train.assets import builtin_model_path
 from grpo_train.config.checks import env_import_paths
@@ -23,6 +23,10 @@ from grpo_train.errors import StartupError  # re-exported: its old home
 from grpo_train.generation.actor import generator_factories
 from grpo_train.generation.async_vllm import make_async_generation_actor
 from grpo_train.plan import PlanError, make_plan
+
+if TYPE_CHECKING:  # the groups import torch and Ray; setup stays importable without them
+    from grpo_train.generation.group import GeneratorGroup
+    from grpo_train.policy.group import PolicyGroup
 
 BUILTIN_PREFIX = "builtin:"
 REWARD_FN_ENV = "grpo_envs.reward_fn:RewardFnEnv"  # what `env.<name>.reward_fn` runs
@@ -305,26 +309,17 @@ class Components:
     train_data: Any  # endless iterator of DatumSpec batches (InfiniteDataLoader or MultiDataLoader)
     val_datums: list  # DatumSpecs of the validation set (at most grpo.max_val_samples)
     envs: dict  # env name -> EnvPool
-    policy: Any  # PolicyGroup: data-parallel PolicyWorkers, called like one actor
-    generator: Any  # Ray actor handle of a Generator, or a GeneratorGroup of several engines
+    policy: PolicyGroup  # the data-parallel PolicyWorkers (one or more)
+    generator: GeneratorGroup  # the generation engines (one or more)
     train_sets: list | None = None  # the datasets train_data draws from (the async collector draws from them too)
     engine_factories: list | None = None  # per engine: starts it again with the same placement (engine_faults)
     memory: Any = None  # colocation.MemoryChoreography: who holds a shared GPU when (inactive unless colocated on GPUs)
 
     def shutdown(self) -> None:
-        import ray
-
         for pool in self.envs.values():
             pool.shutdown()
-        for actor in (self.generator, self.policy):
-            if hasattr(actor, "close"):  # a group of actors (policy.group, generation.group)
-                actor.close()
-                continue
-            try:
-                ray.get(actor.shutdown.remote()) if hasattr(actor, "shutdown") else None
-            except Exception:  # noqa: BLE001 - best effort at exit
-                pass
-            ray.kill(actor)
+        self.generator.close()
+        self.policy.close()
 
 
 def build_envs(cfg: GRPOMasterConfig) -> dict:
@@ -356,16 +351,14 @@ def attach_generators(cfg: GRPOMasterConfig, policy, generator) -> None:
     """Wait for the policy ranks and connect the weight transport to the engines (the sync and
     async loops push over it alike)."""
     # the engines' and transports' code (torch, Ray) loads when the run starts them
-    from grpo_train.generation.group import engines_of
     from grpo_train.refit import choose_transport, make_transport
 
     gen_cfg = cfg.policy.generation
-    name = choose_transport(gen_cfg.weight_transport, gen_cfg.colocated.enabled, cfg.cluster.gpus_per_node > 0)
     lora = cfg.policy.dtensor_cfg.lora_cfg
-    if lora.enabled and lora.refit == "adapter":  # adapters are small: the object store (the config refuses others)
-        name = "object_store"
+    name = choose_transport(gen_cfg.weight_transport, gen_cfg.colocated.enabled, cfg.cluster.gpus_per_node > 0,
+                            lora.refit if lora.enabled else None)
     try:
-        policy.attach(make_transport(name, gen_cfg.refit_buffer_size_gb), engines_of(generator))
+        policy.attach(make_transport(name, gen_cfg.refit_buffer_size_gb), generator.engines)
     except (ValueError, NotImplementedError) as exc:
         raise StartupError(str(exc)) from None
 
@@ -377,12 +370,11 @@ def start_generator(cfg: GRPOMasterConfig, model_path: str, policy):
 
 
 def start_engines(factories: list):
-    """One engine per factory: the single engine's handle, or a `GeneratorGroup` of several."""
+    """One engine per factory, in a `GeneratorGroup` (also for one engine)."""
     # the engines' code (torch, Ray) loads when the run starts them
     from grpo_train.generation.group import GeneratorGroup
 
-    engines = [start() for start in factories]
-    return engines[0] if len(engines) == 1 else GeneratorGroup(engines)
+    return GeneratorGroup([start() for start in factories])
 
 
 def engine_factories(cfg: GRPOMasterConfig, model_path: str, policy) -> list:

@@ -18,8 +18,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import ray
-
 from grpo_train.colocation import MemoryChoreography
 from grpo_train.config.schema import CheckpointingConfig, GenerationConfig, GRPOConfig, GRPOMasterConfig
 from grpo_train.deadline import SaveDeadline
@@ -180,7 +178,7 @@ def generate_step(cfg: GRPOMasterConfig, parts, sampling: SamplingSpec, state: T
     position, consumed = parts.train_data.state_dict(), state.consumed_prompts
 
     def attempt():
-        ray.get(parts.generator.reseed.remote(step_seed(cfg.grpo, step)))
+        parts.generator.reseed(step_seed(cfg.grpo, step))
         return collect_rollouts(cfg, parts, sampling, state)
 
     def rewind() -> None:
@@ -227,7 +225,7 @@ def push_and_check(cfg: GRPOMasterConfig, parts, engines: EngineSupervisor, memo
         version = state.weight_version
         if before_push is not None:
             before_push(version)
-        send = push if push is not None else (lambda v: push_weights(parts.policy, parts.generator, v))
+        send = push if push is not None else (lambda v: push_weights(parts.policy, v))
         engines.retry("the weight push", lambda: send(version))
     refit = cfg.grpo.refit_check
     if not (refit.enabled and state.weight_version % refit.period == 0):

@@ -10,8 +10,6 @@ the order and GRPO's group-relative advantages.
 
 from __future__ import annotations
 
-import ray
-
 from grpo_train.config.schema import GRPOMasterConfig
 from grpo_train.run_state import TrainerState
 from grpo_train.step import SyncRun
@@ -25,7 +23,7 @@ def train_sync(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Trainer
         batch, metrics = run.batch(result.rollouts, prepare_batch)
         metrics |= add_advantages(cfg.grpo, cfg.loss_fn, result.rollouts, batch)
         with run.timer("train"):
-            metrics |= ray.get(parts.policy.train.remote(batch))
+            metrics |= parts.policy.train(batch)
         metrics |= run.push_and_check(result.rollouts)
         if run.finish(step, metrics, result, sampling_metrics):
             break

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import ray
 import torch
 
 from grpo_train.advantages import groups_with_signal, scale_rewards, shape_rewards
@@ -148,13 +147,13 @@ def add_logprobs(plan: LogprobPlan, policy, batch: dict[str, torch.Tensor]) -> N
     `plan.reuse_prev`, prev is left to the policy's train call (ref alone is computed here)."""
     if plan.reuse_prev:
         if plan.reference:
-            batch["ref_logprobs"] = ray.get(policy.logprobs.remote(batch, reference=True))
+            batch["ref_logprobs"] = policy.logprobs(batch, reference=True)
         return
     if plan.reference:
-        both = ray.get(policy.logprobs_and_reference.remote(batch))  # [2, B, S]
+        both = policy.logprobs_and_reference(batch)  # [2, B, S]
         batch["prev_logprobs"], batch["ref_logprobs"] = both[0].clone(), both[1].clone()  # own storage each
     else:
-        batch["prev_logprobs"] = ray.get(policy.logprobs.remote(batch))
+        batch["prev_logprobs"] = policy.logprobs(batch)
 
 
 def refit_limits(cfg: GRPOMasterConfig) -> refit_check.RefitLimits:
@@ -191,6 +190,6 @@ def check_refit(cfg: GRPOMasterConfig, policy, generator, rollouts: list[Rollout
     prompt_lens = [len(r.prompt_ids) for r in probe if r.response_ids]
     if not sequences:
         return {}
-    trainer = ray.get(policy.score.remote(sequences, prompt_lens))
-    generated = ray.get(generator.score.remote(sequences, prompt_lens))
+    trainer = policy.score(sequences, prompt_lens)
+    generated = generator.score(sequences, prompt_lens)
     return refit_check.gate_refit(trainer, generated, refit_limits(cfg)).metrics()

@@ -1,8 +1,12 @@
-"""Data-parallel generation: several engines that the loops call like one generator actor.
+"""The run's generation engines as one driver object: one engine or several, data-parallel.
 
 Job: split each `generate`/`score` call's prompts into contiguous, near-equal shares, one per
-engine, and put the answers back in prompt order (`prompt_index` is renumbered to the caller's
-prompts); fan weight pushes, seeds and shutdown out to every engine.
+engine, run the shares at once, and return the answers in prompt order (`prompt_index` is
+renumbered to the caller's prompts); fan weight pushes, seeds, sleep/wake and shutdown out to
+every engine; say which engines no longer answer (`dead`, for `engine_faults`). The loops hold a
+`GeneratorGroup` whatever the engine count; each method waits for its engines and returns the
+value. Calls from several threads at once (multi-turn rollouts, the async collector) overlap on
+the engines as they would on the actors themselves.
 Boundary: no placement (see `actor.place_generators`), no knowledge of what is generated.
 """
 
@@ -11,57 +15,77 @@ from __future__ import annotations
 import dataclasses
 
 import ray
+from ray.exceptions import GetTimeoutError, RayActorError
 
-from grpo_train.actor_group import remote_method, split_rows
+from grpo_train.actor_group import split_rows
 
 # Engine i samples from seed + i * stride, so engines never share a random stream.
 ENGINE_SEED_STRIDE = 7919
+# An engine that does not answer `weight_version` in this long is taken for dead (a live one
+# answers at once: nothing else is waiting on it when a phase has failed).
+PROBE_TIMEOUT_S = 120.0
+
+
+def answers(engine) -> bool:
+    """Whether one engine actor still answers (within `PROBE_TIMEOUT_S`)."""
+    try:
+        ray.get(engine.weight_version.remote(), timeout=PROBE_TIMEOUT_S)
+        return True
+    except (RayActorError, GetTimeoutError):
+        return False
 
 
 class GeneratorGroup:
-    """N generation actors behind the `GenerationActor` method names."""
+    """N generation actors (`GenerationActor` or the async vLLM engine) behind the same method names."""
 
     def __init__(self, engines: list) -> None:
         if not engines:
             raise ValueError("a generator group needs at least one engine")
         self.engines = list(engines)
 
-    @remote_method
-    def generate(self, prompts, sampling):
-        shares = split_rows(len(prompts), len(self.engines))
-        refs = [e.generate.remote(prompts[s], sampling) for e, s in zip(self.engines, shares) if s.stop > s.start]
-        starts = [s.start for s in shares if s.stop > s.start]
+    def generate(self, prompts: list, sampling) -> list:
+        """`GenerationResult`s of every prompt, in prompt order (each engine samples its share)."""
+        shares = [s for s in split_rows(len(prompts), len(self.engines)) if s.stop > s.start]
+        refs = [e.generate.remote(prompts[s], sampling) for e, s in zip(self.engines, shares)]
         results = []
-        for start, part in zip(starts, ray.get(refs)):
-            results += [dataclasses.replace(r, prompt_index=r.prompt_index + start) for r in part]
-        return ray.put(results)
+        for share, part in zip(shares, ray.get(refs)):
+            results += part if share.start == 0 else [
+                dataclasses.replace(r, prompt_index=r.prompt_index + share.start) for r in part]
+        return results
 
-    @remote_method
-    def score(self, sequences, prompt_lens):
+    def score(self, sequences: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
+        """Logprobs of each sequence's tokens after its prompt, in sequence order."""
         shares = [s for s in split_rows(len(sequences), len(self.engines)) if s.stop > s.start]
         parts = ray.get([e.score.remote(sequences[s], prompt_lens[s]) for e, s in zip(self.engines, shares)])
-        return ray.put([row for part in parts for row in part])
+        return [row for part in parts for row in part]
 
-    @remote_method
-    def update_weights(self, named_tensors, version: int):
-        return ray.put(max(ray.get([e.update_weights.remote(named_tensors, version) for e in self.engines])))
+    def update_weights(self, named_tensors, version: int) -> float:
+        """Every engine loads `named_tensors` (a dict, or its ObjectRef); the slowest engine's seconds."""
+        return max(ray.get([e.update_weights.remote(named_tensors, version) for e in self.engines]))
 
-    @remote_method
-    def reseed(self, seed: int):
+    def reseed(self, seed: int) -> None:
         ray.get([e.reseed.remote(seed + i * ENGINE_SEED_STRIDE) for i, e in enumerate(self.engines)])
-        return ray.put(None)
 
-    @remote_method
-    def weight_version(self):
-        return self.engines[0].weight_version.remote()
+    def weight_version(self) -> int:
+        return ray.get(self.engines[0].weight_version.remote())
 
-    @remote_method
-    def num_truncated_prompts(self):
-        return ray.put(sum(ray.get([e.num_truncated_prompts.remote() for e in self.engines])))
+    def num_truncated_prompts(self) -> int:
+        return sum(ray.get([e.num_truncated_prompts.remote() for e in self.engines]))
 
-    @remote_method
-    def ready(self):
-        return ray.put(max(ray.get([e.ready.remote() for e in self.engines])))
+    def ready(self) -> float:
+        """Wait for every engine to start; the slowest one's start-up seconds."""
+        return max(ray.get([e.ready.remote() for e in self.engines]))
+
+    def sleep(self) -> None:
+        """Colocated on GPUs: every engine frees its GPU memory (colocation.py)."""
+        ray.get([e.sleep.remote() for e in self.engines])
+
+    def wake_up(self) -> None:
+        ray.get([e.wake_up.remote() for e in self.engines])
+
+    def dead(self) -> list[int]:
+        """Indices of the engines that no longer answer."""
+        return [i for i, engine in enumerate(self.engines) if not answers(engine)]
 
     def close(self) -> None:
         for engine in self.engines:
@@ -70,8 +94,3 @@ class GeneratorGroup:
             except Exception:  # noqa: BLE001 - best effort at exit
                 pass
             ray.kill(engine)
-
-
-def engines_of(generator) -> list:
-    """The engine handles behind one generator actor or a group."""
-    return generator.engines if isinstance(generator, GeneratorGroup) else [generator]

@@ -22,14 +22,14 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from grpo_train.config.schema.generation import VLLM_MAX_LORA_RANKS
+
 if TYPE_CHECKING:
     import torch
 
 PREFIX = "base_model.model."  # peft's saved names: the injected model under PeftModel's base_model.model
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-# vLLM 0.32's accepted max_lora_rank values (vllm.config.lora.MaxLoRARanks).
-VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def vllm_max_lora_rank(dim: int) -> int:

@@ -4,12 +4,11 @@ Job: place N `PolicyWorker` Ray actors with a placement group (one bundle per ra
 on CPU machines, `{"GPU": 1, "CPU": 1}` on GPUs), join them in one torch.distributed group
 (NCCL on GPUs, gloo on CPU; FSDP2-sharded as `policy.dtensor_cfg.enabled` says, on GPUs by
 default), and split each call's rows across the ranks (a rank may get none: it still takes part
-in every collective). The group has the worker's method names and is called the same way,
-`group.<method>.remote(...)` giving one ObjectRef, so `sync_loop` and `train_step` run 1 or N
-workers unchanged.
-
-Each call blocks until every rank is done and returns `ray.put` of the combined result (rows
-concatenated, metrics reduced as the loss defines them); weights come from rank 0 by reference.
+in every collective). The group is a plain driver object with the worker's method names: each
+method fans out to the ranks, waits, and returns the combined value (rows concatenated, metrics
+reduced as the loss defines them), so `sync_loop` and `train_step` run 1 or N workers unchanged.
+The calls a weight transport must overlap with the engines' side are `submit_*`: they return the
+ranks' ObjectRefs without waiting (`submit_weights` gives rank 0's weights by reference).
 Training splits each optimizer step's rows across ranks and passes every rank the step's
 global valid token and sequence counts, so the summed gradient is the single-worker gradient.
 
@@ -25,7 +24,7 @@ from __future__ import annotations
 import ray
 import torch
 
-from grpo_train.actor_group import RankGroup, combine_rank_metrics, remote_method, shard_steps, split_rows, take_rows
+from grpo_train.actor_group import RankGroup, combine_rank_metrics, shard_steps, split_rows, take_rows
 from grpo_train.batch import batch_size
 from grpo_train.config.schema import ClusterConfig, LossConfig, PolicyConfig
 from grpo_train.errors import StartupError
@@ -123,95 +122,84 @@ class PolicyGroup(RankGroup):
         """One result per dp group (its first tp rank's): the tp ranks computed the same rows."""
         return results[:: self.tp]
 
-    @remote_method
-    def logprobs(self, batch: dict[str, torch.Tensor], reference: bool = False):
+    def logprobs(self, batch: dict[str, torch.Tensor], reference: bool = False) -> torch.Tensor:
         rows = self._dp_rows(batch_size(batch))
         parts = [w.logprobs.remote(take_rows(batch, r), reference=reference) for w, r in zip(self.workers, rows)]
-        return ray.put(torch.cat(self._per_dp_group(ray.get(parts))))  # [B, S]
+        return torch.cat(self._per_dp_group(ray.get(parts)))  # [B, S]
 
-    @remote_method
-    def logprobs_and_reference(self, batch: dict[str, torch.Tensor]):
+    def logprobs_and_reference(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """[2, B, S] current-weight and reference logprobs of `batch`, one call per rank."""
         rows = self._dp_rows(batch_size(batch))
         parts = [w.logprobs_and_reference.remote(take_rows(batch, r)) for w, r in zip(self.workers, rows)]
-        return ray.put(torch.cat(self._per_dp_group(ray.get(parts)), dim=1))  # [2, B, S]
+        return torch.cat(self._per_dp_group(ray.get(parts)), dim=1)  # [2, B, S]
 
-    @remote_method
-    def score(self, sequences: list[list[int]], prompt_lens: list[int]):
+    def score(self, sequences: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
         """Rank 0's scores; every rank scores too, because ranks agree on micro-batch counts
         (and run FSDP2's collectives) together."""
-        return [w.score.remote(sequences, prompt_lens) for w in self.workers][0]
+        return ray.get([w.score.remote(sequences, prompt_lens) for w in self.workers][0])
 
     # ------------------------------------------------------------------------- training
-    @remote_method
-    def train(self, batch: dict[str, torch.Tensor]):
+    def train(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """Each optimizer step's rows (train_global_batch_size of them) are split across the
         ranks; each rank gets its share of every step, in step order."""
         shards, tokens, seqs = shard_steps(batch, self.cfg.train_global_batch_size, self.dp)
         calls = [w.train.remote(shards[rank // self.tp], tokens, seqs) for rank, w in enumerate(self.workers)]
-        return ray.put(combine_metrics(self._per_dp_group(ray.get(calls))))  # loss-like sums counted once per dp group
+        return combine_metrics(self._per_dp_group(ray.get(calls)))  # loss-like sums counted once per dp group
 
-    @remote_method
-    def gradients(self):
-        return [w.gradients.remote() for w in self._gathering_workers()][0]
+    def gradients(self) -> dict[str, torch.Tensor]:
+        return ray.get([w.gradients.remote() for w in self._gathering_workers()][0])
 
     # ------------------------------------------------------------------ weights and state
-    @remote_method
-    def weights(self):
-        """Rank 0's full weights by reference (under FSDP2 every rank gathers with it)."""
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Rank 0's full weights (under FSDP2 every rank gathers with it)."""
+        return ray.get(self.submit_weights())
+
+    def submit_weights(self) -> ray.ObjectRef:
+        """Rank 0's full weights by reference, not waited for: the object store transport hands
+        the ref to the engines, so the weights never pass through the driver."""
         return [w.weights.remote() for w in self._gathering_workers()][0]
 
-    @remote_method
-    def save(self, folder: str):
+    def save(self, folder: str) -> None:
         """Rank 0 writes; every rank takes part (under FSDP2 they gather the full state)."""
         ray.get([w.save.remote(folder) for w in self.workers])
-        return ray.put(None)
 
-    @remote_method
-    def load(self, folder: str):
+    def load(self, folder: str) -> None:
         ray.get([w.load.remote(folder) for w in self.workers])
-        return ray.put(None)
 
     # ------------------------------------------------ weight transports (rank 0 is the source)
-    @remote_method
-    def free_address(self):
-        return self.rank0.free_address.remote()
+    def free_address(self) -> tuple[str, int]:
+        return ray.get(self.rank0.free_address.remote())
 
-    @remote_method
-    def collective_backend(self):
-        return self.rank0.collective_backend.remote()
+    def collective_backend(self) -> str:
+        return ray.get(self.rank0.collective_backend.remote())
 
-    @remote_method
-    def weight_metadata(self):
-        return self.rank0.weight_metadata.remote()
+    def weight_metadata(self) -> list:
+        return ray.get(self.rank0.weight_metadata.remote())
 
-    @remote_method
-    def open_collective(self, host: str, port: int, world_size: int, backend: str):
-        return self.rank0.open_collective.remote(host, port, world_size, backend)
+    def submit_open_collective(self, host: str, port: int, world_size: int, backend: str) -> list[ray.ObjectRef]:
+        """Rank 0 joins the weight group, not waited for: the engines join at the same time."""
+        return [self.rank0.open_collective.remote(host, port, world_size, backend)]
 
-    @remote_method
-    def send_collective(self, bucket_bytes: int):
-        return [w.send_collective.remote(bucket_bytes) for w in self._gathering_workers()][0]
+    def submit_send_collective(self, bucket_bytes: int) -> list[ray.ObjectRef]:
+        """Rank 0 broadcasts (under FSDP2 every rank gathers with it), not waited for: the engines
+        receive at the same time. Rank 0's ref is first."""
+        return [w.send_collective.remote(bucket_bytes) for w in self._gathering_workers()]
 
-    @remote_method
-    def send_ipc(self):
+    def send_ipc(self) -> dict[str, list]:
+        """Every rank's CUDA IPC handles, keyed by device UUID (GPU-only)."""
         merged: dict[str, list] = {}
         for handles in ray.get([w.send_ipc.remote() for w in self.workers]):
             merged.update(handles)
-        return ray.put(merged)
+        return merged
 
     # ------------------------------------------ colocated memory choreography (colocation.py)
-    @remote_method
-    def offload(self, parts: tuple[str, ...]):
+    def offload(self, parts: tuple[str, ...]) -> None:
         """Every rank moves `parts` of its state to the host and empties its allocator's cache."""
         ray.get([w.offload.remote(parts) for w in self.workers])
-        return ray.put(None)
 
-    @remote_method
-    def reload(self):
+    def reload(self) -> None:
         """Every rank moves what it offloaded back to its device."""
         ray.get([w.reload.remote() for w in self.workers])
-        return ray.put(None)
 
     def _gathering_workers(self) -> list:
         """The ranks a full-weight call needs: all of them under FSDP2 (each gather is a

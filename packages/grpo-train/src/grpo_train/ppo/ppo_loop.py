@@ -12,8 +12,6 @@ A dead generation engine is restarted and the phase retried as in the GRPO loop 
 
 from __future__ import annotations
 
-import ray
-
 from grpo_train.config.schema import GRPOMasterConfig
 from grpo_train.ppo.ppo_step import PPOComponents, add_values_and_advantages, mean_over_epochs, prepare_ppo_batch
 from grpo_train.run_state import TrainerState
@@ -25,9 +23,9 @@ def train_epochs(cfg: GRPOMasterConfig, parts: PPOComponents, batch, train_polic
     """ppo_epochs passes over the batch: the value model always, the policy when asked."""
     value_metrics, policy_metrics = [], []
     for _ in range(cfg.ppo.ppo_epochs):
-        value_metrics.append(ray.get(parts.value.train.remote(batch)))
+        value_metrics.append(parts.value.train(batch))
         if train_policy:
-            policy_metrics.append(ray.get(parts.policy.train.remote(batch)))
+            policy_metrics.append(parts.policy.train(batch))
     return mean_over_epochs(value_metrics) | mean_over_epochs(policy_metrics)
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import ray
 import torch
 
 from grpo_train.batch import Rollout
@@ -28,11 +27,11 @@ EXPLAINED_VARIANCE_EPS = 1e-8
 
 @dataclass
 class PPOComponents(Components):
-    value: Any = None  # ValueGroup: data-parallel ValueWorkers, called like one actor
+    value: Any = None  # ValueGroup: the data-parallel ValueWorkers (one or more)
 
     @property
     def extra_workers(self) -> dict[str, Any]:
-        """Workers checkpointed beside the policy (folder name -> actor)."""
+        """Groups checkpointed beside the policy (folder name -> group with save/load)."""
         return {"value": self.value}
 
     def shutdown(self) -> None:
@@ -58,7 +57,7 @@ def build_ppo_components(cfg: GRPOMasterConfig, model_path: str) -> PPOComponent
         raise
     try:
         value.start()
-        ray.get(value.ping.remote())
+        value.ping()
     except BaseException:
         parts.shutdown()
         value.close()
@@ -93,7 +92,7 @@ def token_rewards(loss: LossConfig, batch: dict[str, torch.Tensor]) -> torch.Ten
 
 def add_values_and_advantages(ppo: PPOConfig, loss: LossConfig, value, batch: dict[str, torch.Tensor]) -> dict[str, float]:
     """Rollout-time values, token-level advantages and value targets into `batch`; returns their metrics."""
-    batch["values"] = ray.get(value.values.remote(batch))  # [B, S] old values, fixed for the ppo_epochs
+    batch["values"] = value.values(batch)  # [B, S] old values, fixed for the ppo_epochs
     mask = batch["token_mask"]
     x = EstimatorInput(rewards=token_rewards(loss, batch), values=batch["values"], token_mask=mask,
                        sample_mask=batch["sample_mask"], response_lengths=mask.sum(dim=1))

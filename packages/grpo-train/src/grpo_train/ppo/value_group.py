@@ -3,9 +3,9 @@
 Job: place `value.num_workers` `ValueWorker` Ray actors in a placement group of their own (one
 bundle per rank, from the cluster: a GPU each on GPU clusters, a CPU each otherwise; the policy's
 `worker_bundles` / `place_bundles`), join them in one torch.distributed group (NCCL on GPUs,
-gloo on CPU), and split each call's rows across the ranks. The group has the worker's method
-names and is called the same way, `group.<method>.remote(...)` giving one ObjectRef, so
-`ppo_step` and `ppo_loop` run 1 or N value workers unchanged.
+gloo on CPU), and split each call's rows across the ranks. The group is a plain driver object
+with the worker's method names: each method fans out to the ranks, waits, and returns the
+combined value, so `ppo_step` and `ppo_loop` run 1 or N value workers unchanged.
 
 Training splits each optimizer step's rows across the ranks and passes every rank the step's
 global valid token and sequence counts; each rank's loss is a partial sum of the global mean and
@@ -21,7 +21,7 @@ from __future__ import annotations
 import ray
 import torch
 
-from grpo_train.actor_group import RankGroup, combine_rank_metrics, remote_method, shard_steps, split_rows, take_rows
+from grpo_train.actor_group import RankGroup, combine_rank_metrics, shard_steps, split_rows, take_rows
 from grpo_train.batch import batch_size
 from grpo_train.config.schema import ClusterConfig, ValueConfig, ValueLossConfig
 from grpo_train.errors import StartupError
@@ -69,33 +69,25 @@ class ValueGroup(RankGroup):
         if start:
             self.start()
 
-    @remote_method
-    def values(self, batch: dict[str, torch.Tensor]):
+    def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         rows = split_rows(batch_size(batch), self.world_size)
         parts = [w.values.remote(take_rows(batch, r)) for w, r in zip(self.workers, rows)]
-        return ray.put(torch.cat(ray.get(parts)))  # [B, S]
+        return torch.cat(ray.get(parts))  # [B, S]
 
-    @remote_method
-    def train(self, batch: dict[str, torch.Tensor]):
+    def train(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """Each optimizer step's rows (global_batch_size of them) split across the ranks."""
         shards, tokens, seqs = shard_steps(batch, self.global_batch_size, self.world_size)
         calls = [w.train.remote(shard, tokens, seqs) for w, shard in zip(self.workers, shards)]
-        return ray.put(combine_rank_metrics(ray.get(calls), SHARED_METRICS))
+        return combine_rank_metrics(ray.get(calls), SHARED_METRICS)
 
-    @remote_method
-    def save(self, folder: str):
-        return self.rank0.save.remote(folder)
+    def save(self, folder: str) -> None:
+        ray.get(self.rank0.save.remote(folder))
 
-    @remote_method
-    def load(self, folder: str):
+    def load(self, folder: str) -> None:
         ray.get([w.load.remote(folder) for w in self.workers])
-        return ray.put(None)
 
-    @remote_method
-    def weights(self):
-        return self.rank0.weights.remote()
+    def weights(self) -> dict[str, torch.Tensor]:
+        return ray.get(self.rank0.weights.remote())
 
-    @remote_method
-    def gradients(self):
-        return self.rank0.gradients.remote()
-
+    def gradients(self) -> dict[str, torch.Tensor]:
+        return ray.get(self.rank0.gradients.remote())

@@ -34,14 +34,19 @@ TRANSPORTS: dict[str, type] = {
 }
 
 
-def choose_transport(name: str, colocated: bool, on_gpus: bool) -> str:
+def choose_transport(name: str, colocated: bool, on_gpus: bool, lora_refit: str | None = None) -> str:
     """`auto` resolved by placement: ipc when colocated on GPUs, object_store when colocated on
-    CPU (one machine's memory either way), collective when generation has its own resources."""
+    CPU (one machine's memory either way), collective when generation has its own resources.
+    `lora_refit` is `policy.dtensor_cfg.lora_cfg.refit` of a LoRA run (None without LoRA): `adapter`
+    pushes only the adapters (a few MiB), always through the object store (the config refuses
+    naming another transport with it)."""
+    if lora_refit == "adapter":
+        return ObjectStoreTransport.name
     if name != "auto":
         return name
     if colocated:
-        return "ipc" if on_gpus else "object_store"
-    return "collective"
+        return IpcTransport.name if on_gpus else ObjectStoreTransport.name
+    return CollectiveTransport.name
 
 
 def make_transport(name: str, refit_buffer_size_gb: float) -> Any:
@@ -50,20 +55,15 @@ def make_transport(name: str, refit_buffer_size_gb: float) -> Any:
     return TRANSPORTS[name](max(1, int(refit_buffer_size_gb * GIB)))
 
 
-def push_weights(policy, generator, version: int, **options) -> float:
+def push_weights(policy, version: int, **options) -> float:
     """The one weight push: the policy's trained weights into every engine over the transport
     attached to the policy group in setup (`PolicyGroup.attach`: the transport and the engines);
     `options` go to each engine's receiving call (the async engine's pause options). Seconds
-    taken. A policy with no transport attached (a bare worker actor and its engine, in tests)
-    goes through the object store (the ObjectRef travels, not a driver copy)."""
+    taken."""
+    if policy.transport is None:
+        raise RuntimeError("push_weights before PolicyGroup.attach: no weight transport is connected to the engines")
     start = time.perf_counter()
-    transport = getattr(policy, "transport", None)
-    if transport is None:
-        import ray
-
-        ray.get(generator.update_weights.remote(policy.weights.remote(), version))
-    else:
-        transport.push(policy, policy.generators, version, **options)
+    policy.transport.push(policy, policy.generators, version, **options)
     return time.perf_counter() - start
 
 

@@ -35,12 +35,12 @@ class CollectiveTransport:
     def connect(self, policy, generators: list) -> None:
         import ray
 
-        host, port = ray.get(policy.free_address.remote())
-        backend = ray.get(policy.collective_backend.remote())
-        metas = ray.get(policy.weight_metadata.remote())
+        host, port = policy.free_address()
+        backend = policy.collective_backend()
+        metas = policy.weight_metadata()
         sizes = ray.get([g.weight_group_size.remote() for g in generators])
         world_size = 1 + sum(sizes)
-        calls = [policy.open_collective.remote(host, port, world_size, backend)]
+        calls = policy.submit_open_collective(host, port, world_size, backend)  # rank 0 and the engines join at once
         offset = 1
         for generator, size in zip(generators, sizes):
             calls.append(generator.open_collective.remote(host, port, offset, world_size, backend,
@@ -51,7 +51,7 @@ class CollectiveTransport:
     def push(self, policy, generators: list, version: int, **options) -> None:
         import ray
 
-        ray.get([policy.send_collective.remote(self.bucket_bytes),
+        ray.get([*policy.submit_send_collective(self.bucket_bytes),  # sent and received at once
                  *[g.receive_collective.remote(version, **options) for g in generators]])
 
 

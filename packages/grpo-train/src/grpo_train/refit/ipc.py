@@ -29,16 +29,14 @@ class IpcTransport:
         self.bucket_bytes = bucket_bytes
 
     def connect(self, policy, generators: list) -> None:
-        import ray
-
         # Asked of the policy's rank, not the driver: a CPU-only head node drives GPU workers.
-        if ray.get(policy.collective_backend.remote()) != "nccl":
+        if policy.collective_backend() != "nccl":
             raise RuntimeError("policy.generation.weight_transport: 'ipc' needs GPUs; use 'object_store' or 'collective' on CPU")
 
     def push(self, policy, generators: list, version: int, **options) -> None:
         import ray
 
-        handles = policy.send_ipc.remote()
+        handles = ray.put(policy.send_ipc())  # one copy in the object store for every engine
         ray.get([g.receive_ipc.remote(handles, version, **options) for g in generators])
 
 

@@ -35,7 +35,7 @@ class ObjectStoreTransport:
     def push(self, policy, generators: list, version: int, **options) -> None:
         import ray
 
-        ref = policy.weights.remote()
+        ref = policy.submit_weights()
         ray.get([g.update_weights.remote(ref, version, **options) for g in generators])
 
 

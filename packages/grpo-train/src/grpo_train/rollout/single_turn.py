@@ -11,8 +11,6 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
-import ray
-
 from grpo_train.batch import Rollout
 from grpo_train.generation.base import SamplingSpec
 
@@ -71,10 +69,10 @@ def generate_in_chunks(generator, prompts: list, sampling: SamplingSpec, chunk_s
     """`generator.generate` over `prompts` in calls of at most `chunk_size` prompts (policy.generation_batch_size),
     one after the other; the results are those of one call, prompt-major, prompt_index into `prompts`."""
     if not chunk_size or chunk_size >= len(prompts):
-        return ray.get(generator.generate.remote(prompts, sampling))
+        return generator.generate(prompts, sampling)
     results = []
     for start in range(0, len(prompts), chunk_size):
-        for res in ray.get(generator.generate.remote(prompts[start:start + chunk_size], sampling)):
+        for res in generator.generate(prompts[start:start + chunk_size], sampling):
             res.prompt_index += start
             results.append(res)
     return results

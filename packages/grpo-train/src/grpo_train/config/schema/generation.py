@@ -8,6 +8,10 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from grpo_train.config.schema.base import Section
 
+# vLLM 0.32's accepted max_lora_rank values (vllm.config.lora.MaxLoRARanks). A `lora_cfg.refit: adapter`
+# engine takes the smallest one >= the adapter's dim (generation/lora_adapter.py), so the last bounds dim.
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
 
 class VllmConfig(Section):
     async_engine: bool = False

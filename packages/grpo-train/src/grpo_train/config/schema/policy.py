@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from grpo_train.config.schema.base import Section
-from grpo_train.config.schema.generation import GenerationConfig
+from grpo_train.config.schema.generation import VLLM_MAX_LORA_RANKS, GenerationConfig
 
 
 class TokenizerConfig(Section):
@@ -233,9 +233,9 @@ class PolicyConfig(Section):
             raise ValueError(f"policy.generation.weight_transport: {self.generation.weight_transport!r} with "
                              "lora_cfg.refit: adapter; the adapters (a few MiB) go through Ray's object store: set "
                              "auto or object_store")
-        if lora.dim > 512:
+        if lora.dim > VLLM_MAX_LORA_RANKS[-1]:
             raise ValueError(f"policy.dtensor_cfg.lora_cfg.dim: {lora.dim} with refit: adapter exceeds vLLM's largest "
-                             "max_lora_rank (512); set a smaller dim or refit: merged")
+                             f"max_lora_rank ({VLLM_MAX_LORA_RANKS[-1]}); set a smaller dim or refit: merged")
         return self
 
     @model_validator(mode="after")
