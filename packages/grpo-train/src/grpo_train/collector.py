@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import ray
@@ -60,6 +59,16 @@ class SharedParts:
     envs: dict  # env name -> EnvPool
 
 
+@dataclass
+class CollectorParts:
+    """The collector's `rollout.RolloutParts`: its engines (replaced after an engine restart)
+    beside the driver's envs and tokenizer."""
+
+    generator: Any
+    envs: dict
+    tokenizer: Any
+
+
 class TrajectoryCollector:
     """See the module docstring. Starts at step `next_target` with the generator at weight
     version `version` and its own dataloader, over the driver's datasets, at `dataloader_state`
@@ -72,7 +81,7 @@ class TrajectoryCollector:
         self.train_data = build_train_iterator(cfg, shared.train_sets)
         if dataloader_state is not None:
             self.train_data.load_state_dict(dataloader_state)
-        self.parts = SimpleNamespace(generator=generator, envs=shared.envs, tokenizer=shared.tokenizer)
+        self.parts = CollectorParts(generator=generator, envs=shared.envs, tokenizer=shared.tokenizer)
         self.buffer = buffer
         self.sampling = train_sampling(cfg)
         self.last_step = last_step

@@ -7,14 +7,31 @@ chunks, step the environments) that `multi_turn` reuses; `dynamic_sampling` (DAP
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 from grpo_train.generation.base import SamplingSpec
 from grpo_train.rollout.multi_turn import multi_turn_rollout
 from grpo_train.rollout.single_turn import RolloutResult, rollout
 
-__all__ = ["RolloutResult", "rollout", "rollout_batch"]
+__all__ = ["RolloutParts", "RolloutResult", "rollout", "rollout_batch"]
 
 
-def rollout_batch(cfg, parts, datums: list, sampling: SamplingSpec) -> RolloutResult:
+class RolloutParts(Protocol):
+    """What a rollout uses of a run's components: the engines (a `GeneratorGroup`), the
+    environment pools by name, and the tokenizer (multi-turn renders). The driver's `Components`
+    and the async collector's `CollectorParts` both provide them."""
+
+    @property
+    def generator(self) -> Any: ...
+
+    @property
+    def envs(self) -> dict: ...
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+
+def rollout_batch(cfg, parts: RolloutParts, datums: list, sampling: SamplingSpec) -> RolloutResult:
     """The training rollout the config asks for: one turn, or multi-turn conversations."""
     if cfg.grpo.max_rollout_turns > 1:
         return multi_turn_rollout(parts.generator, parts.envs, datums, sampling, parts.tokenizer,
