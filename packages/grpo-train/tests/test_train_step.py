@@ -237,3 +237,36 @@ def test_invalid_tool_call_advantage_is_refused_where_it_would_do_nothing(sectio
     with pytest.raises(ConfigError) as info:
         cfg(group=2, **sections)
     assert words in str(info.value) and "grpo.invalid_tool_call_advantage" in str(info.value)
+
+
+def test_refit_check_sends_both_scoring_calls_before_waiting(monkeypatch):
+    """The trainer and the engine score the probe at the same time: both calls are sent, then one
+    wait for both; the gate then sees the two actors' numbers (hand-computed: |d| = 0.25 on token 1
+    of sequence 0, above fp32's 1e-3)."""
+    events: list[str] = []
+
+    class Scorer:
+        def __init__(self, name):
+            self.name, self.score = name, self
+
+        def remote(self, sequences, prompt_lens):
+            events.append(f"send {self.name} {len(sequences)}")
+            return self.name
+
+    answers = {"trainer": [[-1.0, -0.5]], "engine": [[-1.0, -0.75]]}
+
+    def wait(refs):
+        events.append(f"wait {refs}")
+        return [answers[r] for r in refs]
+
+    monkeypatch.setattr(train_step.ray, "get", wait)
+    probe = [rollout(0, 1.0, 2), rollout(0, 0.0, 0)]  # the empty response is not scored
+    config = cfg(group=2, grpo={"refit_check": {"enabled": True}})
+    from grpo_train.refit.check import RefitMismatchError
+
+    with pytest.raises(RefitMismatchError, match=r"sequence 0, token 1 .* \|diff\| 0\.25"):
+        train_step.check_refit(config, Scorer("trainer"), Scorer("engine"), probe)
+    assert events == ["send trainer 1", "send engine 1", "wait ['trainer', 'engine']"]
+    answers["engine"] = [[-1.0, -0.5]]
+    assert train_step.check_refit(config, Scorer("trainer"), Scorer("engine"), probe)[
+        "refit/max_abs_logprob_diff"] == 0.0

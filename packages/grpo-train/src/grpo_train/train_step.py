@@ -168,12 +168,13 @@ def gate_precision_of(cfg: GRPOMasterConfig) -> str:
 
 def check_refit(cfg: GRPOMasterConfig, policy, generator, rollouts: list[Rollout]) -> dict[str, float]:
     """Score the first `probe_size` rollouts in trainer and generator; raise above the configured
-    thresholds (`refit_limits`). Returns the refit/* metrics."""
+    thresholds (`refit_limits`). Returns the refit/* metrics. Both scoring calls are sent before
+    either is waited for: the two actors score at the same time (one round trip, not two)."""
     probe = rollouts[: probe_size(cfg)]
     sequences = [r.prompt_ids + r.response_ids for r in probe if r.response_ids]
     prompt_lens = [len(r.prompt_ids) for r in probe if r.response_ids]
     if not sequences:
         return {}
-    trainer = ray.get(policy.score.remote(sequences, prompt_lens))
-    generated = ray.get(generator.score.remote(sequences, prompt_lens))
+    trainer, generated = ray.get([policy.score.remote(sequences, prompt_lens),
+                                  generator.score.remote(sequences, prompt_lens)])
     return refit_check.gate_refit(trainer, generated, refit_limits(cfg)).metrics()
