@@ -116,6 +116,7 @@ TABLE = {
     "policy.train_micro_batch_size": R("grpo_train/policy/microbatch.py"),
     "policy.generation_batch_size": T("packages/grpo-train/tests/test_schema_walk.py::test_generation_batch_size_submits_prompts_in_chunks"),
     "policy.logprob_batch_size": T("packages/grpo-train/tests/test_packed_training.py::test_data_parallel_ranks_with_different_bin_counts_stay_in_step"),
+    "policy.reference_beside_training": T("packages/grpo-train/tests/test_policy_worker.py::test_reference_beside_training_is_bitwise_the_reference_pass_first"),
     "policy.max_total_sequence_length": R("grpo_train/rollout/__init__.py"),
     "policy.precision": R("grpo_train/setup.py"),
     "policy.logprob_chunk_size": R("grpo_train/policy/worker.py"),

@@ -128,10 +128,10 @@ def reuses_prev_logprobs(cfg: GRPOMasterConfig) -> bool:
 def add_logprobs(cfg: GRPOMasterConfig, policy, batch: dict[str, torch.Tensor]) -> None:
     """prev (and, when beta > 0, ref) logprobs of the batch under the start-of-step weights; both
     in one call to the policy (one round trip, the batch sent once). Where `reuses_prev_logprobs`,
-    prev is left to the policy's train call (ref alone is computed here)."""
+    both are left to the policy's train call: prev from its training forward, ref from the reference
+    forward it runs beside training (policy.reference_beside_training) or before it; no round trip
+    here, and the batch travels once."""
     if reuses_prev_logprobs(cfg):
-        if cfg.loss_fn.reference_policy_kl_penalty > 0:
-            batch["ref_logprobs"] = ray.get(policy.logprobs.remote(batch, reference=True))
         return
     if cfg.loss_fn.reference_policy_kl_penalty > 0:
         both = ray.get(policy.logprobs_and_reference.remote(batch))  # [2, B, S]

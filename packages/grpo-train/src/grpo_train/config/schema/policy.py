@@ -183,6 +183,12 @@ class PolicyConfig(Section):
     rollout: this many conversations), one chunk after the other. Bounds what an engine holds at once."""
     logprob_batch_size: int = Field(default=4, ge=1)
     """Samples per forward when computing prev/ref logprobs."""
+    reference_beside_training: bool = True
+    """Where the sync loop leaves the reference logprobs to the train call (one worker, on-policy, one
+    optimizer step; train_step.add_logprobs), compute them in a second thread beside the training
+    micro-batches (policy/reference_ahead.py) instead of before them: bitwise the same values, on
+    the core a training forward/backward leaves idle. It needs a reference model of its own (not
+    LoRA) and logprob micro-batches equal to the training ones; elsewhere the forward runs first."""
     max_total_sequence_length: int = Field(default=512, ge=8)
     precision: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     logprob_chunk_size: int | None = None
