@@ -292,13 +292,16 @@ def train_seeing_ref(model_dir, batch, monkeypatch, **kw):
     return worker, seen, metrics, len(threads)
 
 
+BESIDE = {"reference_beside_training": True}
+
+
 @pytest.mark.parametrize("kw, beside", [
-    ({"logprob_batch_size": 4, "train_micro_batch_size": 4}, True),
-    (PACKED_SAME, True),
-    ({"logprob_batch_size": 8}, True),
-    ({"logprob_batch_size": 3}, False),  # other micro-batches than training's: the reference pass runs first
-    ({"logprob_batch_size": 4, "train_micro_batch_size": 4, "reference_beside_training": False}, False),
-], ids=["padded-2mb", "packed", "padded-1mb", "other-microbatches", "switched-off"])
+    ({"logprob_batch_size": 4, "train_micro_batch_size": 4, **BESIDE}, True),
+    ({**PACKED_SAME, **BESIDE}, True),
+    ({"logprob_batch_size": 8, **BESIDE}, True),
+    ({"logprob_batch_size": 3, **BESIDE}, False),  # other micro-batches than training's: the reference pass first
+    ({"logprob_batch_size": 4, "train_micro_batch_size": 4}, False),  # the default: off
+], ids=["padded-2mb", "packed", "padded-1mb", "other-microbatches", "default-off"])
 def test_reference_beside_training_is_bitwise_the_reference_pass_first(model_dir, monkeypatch, kw, beside):
     """A train call left without ref_logprobs computes them itself, in a second thread beside the
     training micro-batches where reference_ahead.usable allows (else first): every micro-batch's
@@ -322,7 +325,7 @@ def test_reference_beside_training_is_bitwise_the_reference_pass_first(model_dir
 
 def test_reference_beside_training_hands_its_error_to_the_train_call(model_dir, monkeypatch):
     """A failing reference forward in the thread fails the train call (no silent zeros)."""
-    worker = PolicyWorker(model_dir, policy_cfg(logprob_batch_size=4, train_micro_batch_size=4),
+    worker = PolicyWorker(model_dir, policy_cfg(logprob_batch_size=4, train_micro_batch_size=4, **BESIDE),
                           LossConfig(reference_policy_kl_penalty=0.05), seed=0)
 
     own = worker._microbatch_logprobs

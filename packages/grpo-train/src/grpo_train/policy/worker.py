@@ -249,12 +249,13 @@ class PolicyWorker:
     def _reference_ahead(self, batch: dict[str, torch.Tensor], per_step: int):
         """The reference forward in a second thread beside training (policy/reference_ahead.py),
         where policy.reference_beside_training and its conditions allow, else None."""
+        reference = self.reference
         if not (self.cfg.reference_beside_training and batch_size(batch) == per_step):
             return None
         plan = self._plan(batch, "logprob")[2]
-        if not reference_ahead.usable(self.world_size, self.reference is not None, plan, self._plan(batch, "train")[2]):
+        if reference is None or not reference_ahead.usable(self.world_size, True, plan, self._plan(batch, "train")[2]):
             return None
-        return reference_ahead.start(plan, lambda mb: self._microbatch_logprobs(self.reference, batch, mb),
+        return reference_ahead.start(plan, lambda mb: self._microbatch_logprobs(reference, batch, mb),
                                      (batch_size(batch), batch["input_ids"].shape[1]))
 
     def reuses_prev(self, batch: dict[str, torch.Tensor], per_step: int) -> bool:
