@@ -298,15 +298,15 @@ BESIDE = {"reference_beside_training": True}
 @pytest.mark.parametrize("kw, beside", [
     ({"logprob_batch_size": 4, "train_micro_batch_size": 4, **BESIDE}, True),
     ({**PACKED_SAME, **BESIDE}, True),
-    ({"logprob_batch_size": 8, **BESIDE}, True),
     ({"logprob_batch_size": 3, **BESIDE}, False),  # other micro-batches than training's: the reference pass first
     ({"logprob_batch_size": 4, "train_micro_batch_size": 4}, False),  # the default: off
-], ids=["padded-2mb", "packed", "padded-1mb", "other-microbatches", "default-off"])
+], ids=["padded-2mb", "packed", "other-microbatches", "default-off"])
 def test_reference_beside_training_is_bitwise_the_reference_pass_first(model_dir, monkeypatch, kw, beside):
     """A train call left without ref_logprobs computes them itself, in a second thread beside the
     training micro-batches where reference_ahead.usable allows (else first): every micro-batch's
     loss gets bitwise the reference logprobs of the driver's separate pass, and the metrics and
-    updated weights are bitwise those of a train call given them."""
+    updated weights are bitwise those of a train call given them. The thread's cases have two or
+    more micro-batches, so a later one's rows are waited for while training runs."""
     batch = make_batch()
     probe = PolicyWorker(model_dir, policy_cfg(**kw), LossConfig(reference_policy_kl_penalty=0.05), seed=0)
     driver_ref = probe.logprobs(batch, reference=True)  # [B, S]: what train_step.add_logprobs used to send
@@ -314,7 +314,7 @@ def test_reference_beside_training_is_bitwise_the_reference_pass_first(model_dir
                                                          monkeypatch, **kw)
     w_own, seen_own, m_own, n_own = train_seeing_ref(model_dir, batch, monkeypatch, **kw)
     assert (n_sent, n_own) == (0, int(beside))
-    assert len(seen_own) == len(seen_sent) >= 1
+    assert len(seen_own) == len(seen_sent) >= (2 if beside else 1)
     for a, b in zip(seen_own, seen_sent):
         assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b)
     assert m_own == m_sent
