@@ -21,6 +21,8 @@ per sample and do the same work whatever their sampler's stopping rule.
 
 Usage (needs the benchmark-only group: `uv sync --frozen --group bench`):
     uv run --no-sync python benchmarks/e2e/bench_vs_trl.py [--scale tiny|34m] [--steps 40] [--out FILE.md]
+        [--grpo-override policy.reference_beside_training=true ...]
+The report is appended to the results file (one section per run).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class Scale:
         self.max_new_tokens = 64 if big else MAX_NEW_TOKENS
         self.validate = not big
         self.model_path = ""  # set by main (the bundled model, or the 34M model it writes)
+        self.extra: list[str] = []  # --grpo-override: extra `grpo train` overrides (an A/B of a grpo setting)
 
     @property
     def rows(self) -> int:
@@ -175,8 +178,8 @@ def trl_main(steps: int, out_json: Path, scale: Scale) -> None:
 # ----------------------------------------------------------------------------- grpo side
 def grpo_overrides(scale: Scale) -> list[str]:
     if scale.name == "tiny":
-        return []
-    return [f"policy.model_name={scale.model_path}", f"grpo.num_prompts_per_step={scale.prompts}",
+        return list(scale.extra)
+    return [*scale.extra, f"policy.model_name={scale.model_path}", f"grpo.num_prompts_per_step={scale.prompts}",
             f"policy.train_global_batch_size={scale.rows}", f"policy.train_micro_batch_size={scale.micro_batch}",
             f"policy.generation.max_new_tokens={scale.max_new_tokens}", "policy.max_total_sequence_length=96",
             "grpo.val_at_start=false", "grpo.val_at_end=false", "grpo.val_period=0", "checkpointing.enabled=false"]
@@ -231,7 +234,8 @@ def report(grpo: dict, trl: dict, steps: int, load_before: str, load_after: str,
         f"- settings: {scale.prompts} prompts x {GENERATIONS} generations, one optimizer step of "
         f"{scale.rows // scale.micro_batch} x {scale.micro_batch} rows, lr {LR} constant, KL {BETA} (k3), clip {CLIP}, "
         f"{scale.max_new_tokens} new tokens at T=1.0, {steps} steps, float32"
-        + ("" if scale.validate else ", no validation (random weights; eos unreachable, so every sample has all its tokens)"),
+        + ("" if scale.validate else ", no validation (random weights; eos unreachable, so every sample has all its tokens)")
+        + (f"; grpo overrides: `{' '.join(scale.extra)}`" if scale.extra else ""),
         "- differences: grpo generates with vLLM (CPU), TRL with transformers `generate`; grpo's baseline is "
         "leave-one-out (demo config), TRL's the group mean; grpo checks the refit every step",
         "- time to first step = process start -> start of step 1"
@@ -263,11 +267,14 @@ def main() -> int:
     parser.add_argument("--scale", choices=["tiny", "34m"], default="tiny")
     parser.add_argument("--steps", type=int, default=None, help="40 at the tiny scale, 4 at 34m")
     parser.add_argument("--out", type=Path, default=None,
-                        help="default benchmarks/results/e2e_vs_trl_cpu.md (tiny), e2e_vs_trl_34m_cpu.md (34m)")
+                        help="appended to; default benchmarks/results/e2e_vs_trl_cpu.md (tiny), e2e_vs_trl_34m_cpu.md (34m)")
+    parser.add_argument("--grpo-override", action="append", default=[], metavar="KEY=VALUE",
+                        help="an extra `grpo train` override for grpo's side (repeatable; stated in the report)")
     parser.add_argument("--trl-worker", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model-path", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     scale = Scale(args.scale)
+    scale.extra = list(args.grpo_override)
     steps = args.steps or (40 if args.scale == "tiny" else 4)
     if args.trl_worker is not None:
         scale.model_path = args.model_path
@@ -281,7 +288,8 @@ def main() -> int:
     trl = run_trl(steps, scale)
     grpo = run_grpo(steps, scale)
     text = report(grpo, trl, steps, load_before, uptime(), "TRL then grpo", scale)
-    out.write_text(text)
+    with out.open("a") as f:  # appended: the file keeps every run's section
+        f.write(("\n" if out.exists() and out.stat().st_size else "") + text)
     print(text)
     return 0
 

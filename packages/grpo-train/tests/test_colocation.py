@@ -123,9 +123,9 @@ def test_sync_grpo_order(recorded):
     parts, memory = fake_run(recorded)
     memory.start_engines_first()
     sync_loop.train_sync(config(), parts, LOGGER, object(), TrainerState())
-    # one worker, one optimizer step, no reader of prev before training: prev comes from the
-    # training forward (train_step.reuses_prev_logprobs), so only the reference is scored here
-    step = [("generate", ""), *TO_TRAINING, ("logprobs", "ref"), ("train", ""),
+    # one worker, one optimizer step, no reader of prev or ref before training: prev comes from the
+    # training forward and ref from the train call's own reference forward (train_step.reuses_prev_logprobs)
+    step = [("generate", ""), *TO_TRAINING, ("train", ""),
             *TO_REFIT, ("push", ""), ("refit_check", ""), *END_OF_STEP]
     assert recorded == [*START, *TO_GENERATION_FROM_START, ("validate", ""),
                         *step,  # step 1 (generation phase already entered for the validation)

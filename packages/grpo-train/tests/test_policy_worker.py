@@ -263,3 +263,79 @@ def test_dropout_disables_reuse(model_dir):
     assert worker.reuses_prev(batch, 8)
     worker.model.config.attention_dropout = 0.1  # each forward would draw its own mask
     assert not worker.reuses_prev(batch, 8)
+
+
+# ------------------------------------------- the reference forward beside training (issue 23)
+def train_seeing_ref(model_dir, batch, monkeypatch, **kw):
+    """A fresh worker's train(batch) (prev reused): the ref logprobs each micro-batch's loss
+    received, the metrics, the updated weights, and how many ReferenceAhead threads ran."""
+    import grpo_kernels
+    from grpo_train.policy import reference_ahead
+
+    worker = PolicyWorker(model_dir, policy_cfg(**kw), LossConfig(reference_policy_kl_penalty=0.05), seed=0)
+    loss_fn = getattr(grpo_kernels.clipped_pg_loss, "unrecorded", grpo_kernels.clipped_pg_loss)
+    start = getattr(reference_ahead.start, "unrecorded", reference_ahead.start)
+    seen, threads = [], []
+
+    def recording_loss(curr, prev, gen, ref, *args):
+        seen.append(ref.detach().clone())
+        return loss_fn(curr, prev, gen, ref, *args)
+
+    def counting_start(*args):
+        threads.append(1)
+        return start(*args)
+
+    recording_loss.unrecorded, counting_start.unrecorded = loss_fn, start
+    monkeypatch.setattr(grpo_kernels, "clipped_pg_loss", recording_loss)
+    monkeypatch.setattr(reference_ahead, "start", counting_start)
+    metrics = worker.train(batch)
+    return worker, seen, metrics, len(threads)
+
+
+BESIDE = {"reference_beside_training": True}
+
+
+@pytest.mark.parametrize("kw, beside", [
+    ({"logprob_batch_size": 4, "train_micro_batch_size": 4, **BESIDE}, True),
+    ({**PACKED_SAME, **BESIDE}, True),
+    ({"logprob_batch_size": 3, **BESIDE}, False),  # other micro-batches than training's: the reference pass first
+    ({"logprob_batch_size": 4, "train_micro_batch_size": 4}, False),  # the default: off
+], ids=["padded-2mb", "packed", "other-microbatches", "default-off"])
+def test_reference_beside_training_is_bitwise_the_reference_pass_first(model_dir, monkeypatch, kw, beside):
+    """A train call left without ref_logprobs computes them itself, in a second thread beside the
+    training micro-batches where reference_ahead.usable allows (else first): every micro-batch's
+    loss gets bitwise the reference logprobs of the driver's separate pass, and the metrics and
+    updated weights are bitwise those of a train call given them. The thread's cases have two or
+    more micro-batches, so a later one's rows are waited for while training runs."""
+    batch = make_batch()
+    probe = PolicyWorker(model_dir, policy_cfg(**kw), LossConfig(reference_policy_kl_penalty=0.05), seed=0)
+    driver_ref = probe.logprobs(batch, reference=True)  # [B, S]: what train_step.add_logprobs used to send
+    w_sent, seen_sent, m_sent, n_sent = train_seeing_ref(model_dir, {**batch, "ref_logprobs": driver_ref},
+                                                         monkeypatch, **kw)
+    w_own, seen_own, m_own, n_own = train_seeing_ref(model_dir, batch, monkeypatch, **kw)
+    assert (n_sent, n_own) == (0, int(beside))
+    assert len(seen_own) == len(seen_sent) >= (2 if beside else 1)
+    for a, b in zip(seen_own, seen_sent):
+        assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b)
+    assert m_own == m_sent
+    for (name, a), (_, b) in zip(w_own.model.named_parameters(), w_sent.model.named_parameters()):
+        assert torch.equal(a, b), name
+    assert w_own._ahead is None  # the thread is joined and dropped when train returns
+
+
+def test_reference_beside_training_hands_its_error_to_the_train_call(model_dir, monkeypatch):
+    """A failing reference forward in the thread fails the train call (no silent zeros)."""
+    worker = PolicyWorker(model_dir, policy_cfg(logprob_batch_size=4, train_micro_batch_size=4, **BESIDE),
+                          LossConfig(reference_policy_kl_penalty=0.05), seed=0)
+
+    own = worker._microbatch_logprobs
+
+    def broken_reference(model, *args):
+        if model is worker.reference:
+            raise RuntimeError("reference forward broke")
+        return own(model, *args)
+
+    monkeypatch.setattr(worker, "_microbatch_logprobs", broken_reference)
+    with pytest.raises(RuntimeError, match="reference forward broke"):
+        worker.train(make_batch())
+    assert worker._ahead is None

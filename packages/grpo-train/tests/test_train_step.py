@@ -164,16 +164,16 @@ def test_process_age_counts_from_the_process_start():
     assert 1.0 <= float(out) <= elapsed
 
 
-@pytest.mark.parametrize("beta, calls", [(0.01, ["logprobs(reference)"]), (0.0, [])])
-def test_add_logprobs_leaves_prev_to_the_train_call_where_it_may_be_reused(beta, calls):
-    """Sync GRPO, one worker, nothing reading prev before training: only ref is fetched (the policy's
-    train call takes prev from its forward, or runs the pass itself: test_policy_worker)."""
+@pytest.mark.parametrize("beta", [0.01, 0.0])
+def test_add_logprobs_leaves_prev_and_ref_to_the_train_call_where_prev_may_be_reused(beta):
+    """Sync GRPO, one worker, nothing reading prev or ref before training: no logprob call at all
+    (the policy's train call takes prev from its forward, or runs the pass itself, and runs the
+    reference forward beside training or first: test_policy_worker)."""
     policy = RecordingPolicy(3, 4)
     batch = {"input_ids": torch.zeros(3, 4, dtype=torch.long)}
     add_logprobs(train_step.logprob_plan(cfg(loss_fn={"reference_policy_kl_penalty": beta})), policy, batch)
-    assert policy.calls == calls
-    assert "prev_logprobs" not in batch
-    assert ("ref_logprobs" in batch) == bool(beta) and (not beta or torch.equal(batch["ref_logprobs"], policy.ref))
+    assert policy.calls == []
+    assert "prev_logprobs" not in batch and "ref_logprobs" not in batch
 
 
 def test_prev_reuse_only_where_nothing_needs_its_own_pass():
@@ -235,3 +235,35 @@ def test_invalid_tool_call_advantage_is_refused_where_it_would_do_nothing(sectio
     with pytest.raises(ConfigError) as info:
         cfg(group=2, **sections)
     assert words in str(info.value) and "grpo.invalid_tool_call_advantage" in str(info.value)
+
+
+def test_refit_check_scores_on_both_sides_at_the_same_time():
+    """The trainer and the engine score the probe at the same time: each scorer waits at a
+    two-party barrier inside its call, which only passes when both calls are in flight at once
+    (one after the other, the barrier times out). The gate then sees the two sides' numbers
+    (hand-computed: |d| = 0.25 on token 1 of sequence 0, above fp32's 1e-3)."""
+    import threading
+
+    barrier = threading.Barrier(2, timeout=10)
+    answers = {"trainer": [[-1.0, -0.5]], "engine": [[-1.0, -0.75]]}
+    seen: list[int] = []
+
+    class Scorer:
+        def __init__(self, name):
+            self.name = name
+
+        def score(self, sequences, prompt_lens):
+            seen.append(len(sequences))
+            barrier.wait()
+            return answers[self.name]
+
+    probe = [rollout(0, 1.0, 2), rollout(0, 0.0, 0)]  # the empty response is not scored
+    config = cfg(group=2, grpo={"refit_check": {"enabled": True}})
+    from grpo_train.refit.check import RefitMismatchError
+
+    with pytest.raises(RefitMismatchError, match=r"sequence 0, token 1 .* \|diff\| 0\.25"):
+        train_step.check_refit(config, Scorer("trainer"), Scorer("engine"), probe)
+    assert seen == [1, 1]
+    answers["engine"] = [[-1.0, -0.5]]
+    assert train_step.check_refit(config, Scorer("trainer"), Scorer("engine"), probe)[
+        "refit/max_abs_logprob_diff"] == 0.0

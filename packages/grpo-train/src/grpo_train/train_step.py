@@ -5,6 +5,7 @@ The batch components of the step (`step.py` strings them into phases), shared by
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -144,10 +145,10 @@ def logprob_plan(cfg: GRPOMasterConfig) -> LogprobPlan:
 def add_logprobs(plan: LogprobPlan, policy, batch: dict[str, torch.Tensor]) -> None:
     """prev (and, with `plan.reference`, ref) logprobs of the batch under the start-of-step
     weights; both in one call to the policy (one round trip, the batch sent once). With
-    `plan.reuse_prev`, prev is left to the policy's train call (ref alone is computed here)."""
+    `plan.reuse_prev`, both are left to the policy's train call: prev from its training forward,
+    ref from the reference forward it runs beside training (policy.reference_beside_training) or
+    before it; no round trip here, and the batch travels once."""
     if plan.reuse_prev:
-        if plan.reference:
-            batch["ref_logprobs"] = policy.logprobs(batch, reference=True)
         return
     if plan.reference:
         both = policy.logprobs_and_reference(batch)  # [2, B, S]
@@ -184,12 +185,15 @@ def gate_precision_of(cfg: GRPOMasterConfig) -> str:
 
 def check_refit(cfg: GRPOMasterConfig, policy, generator, rollouts: list[Rollout]) -> dict[str, float]:
     """Score the first `probe_size` rollouts in trainer and generator; raise above the configured
-    thresholds (`refit_limits`). Returns the refit/* metrics."""
+    thresholds (`refit_limits`). Returns the refit/* metrics. Both scoring calls are sent before
+    either is waited for: the two actors score at the same time (one round trip, not two)."""
     probe = rollouts[: probe_size(cfg)]
     sequences = [r.prompt_ids + r.response_ids for r in probe if r.response_ids]
     prompt_lens = [len(r.prompt_ids) for r in probe if r.response_ids]
     if not sequences:
         return {}
-    trainer = policy.score(sequences, prompt_lens)
-    generated = generator.score(sequences, prompt_lens)
+    with ThreadPoolExecutor(1) as pool:  # the trainer and the engines score the probe at the same time
+        on_engines = pool.submit(generator.score, sequences, prompt_lens)
+        trainer = policy.score(sequences, prompt_lens)
+        generated = on_engines.result()
     return refit_check.gate_refit(trainer, generated, refit_limits(cfg)).metrics()

@@ -17,7 +17,7 @@ from grpo_train.actor_group import run_optimizer_steps
 from grpo_train.batch import batch_size, seq_mult_prob_error
 from grpo_train.config.schema import LossConfig, PolicyConfig
 from grpo_train.errors import NonFiniteLossError  # re-exported: its old home
-from grpo_train.policy import fsdp, microbatch
+from grpo_train.policy import fsdp, microbatch, reference_ahead
 from grpo_train.policy.core import ADAPTER_DIR, MASTERS_FILE, STATE_FILES, WorkerCore, read_states
 from grpo_train.policy.logprobs import packed_logprobs, sequence_logprobs
 from grpo_train.policy.lora import apply_lora
@@ -118,6 +118,7 @@ class PolicyWorker(WorkerCore):
         self._home = torch.device("cpu")  # where this rank computes (its GPU once init_distributed moved it)
         self._offloaded: tuple[str, ...] = ()  # parts on the host for a colocated engine (offload)
         self._reusing_prev = False  # train(): prev logprobs taken from the training forward (reuses_prev)
+        self._ahead = None  # train(): the reference forward beside training (reference_ahead.ReferenceAhead)
 
     # ----------------------------------------------------------------------------- scoring
     def _run(self, model: torch.nn.Module, fn, *args, **kwargs):
@@ -201,10 +202,33 @@ class PolicyWorker(WorkerCore):
                 self._reusing_prev = True
             else:  # the separate pass, here before any optimizer step: the start-of-step weights
                 batch = {**batch, "prev_logprobs": self.logprobs(batch)}
+        if self._reference_left_to_us(batch):  # ref too (train_step.add_logprobs): beside training, or first
+            self._ahead = self._reference_ahead(batch, per_step)
+            if self._ahead is None:
+                batch = {**batch, "ref_logprobs": self.logprobs(batch, reference=True)}
         try:
             return run_optimizer_steps(batch, per_step, global_valid_tokens, global_valid_seqs, self._optimizer_step)
         finally:
             self._reusing_prev = False
+            if self._ahead is not None:
+                self._ahead.close()
+                self._ahead = None
+
+    def _reference_left_to_us(self, batch: dict[str, torch.Tensor]) -> bool:
+        return "ref_logprobs" not in batch and (self.reference is not None or (
+            self.peft is not None and self.loss_cfg.reference_policy_kl_penalty > 0))
+
+    def _reference_ahead(self, batch: dict[str, torch.Tensor], per_step: int):
+        """The reference forward in a second thread beside training (policy/reference_ahead.py),
+        where policy.reference_beside_training and its conditions allow, else None."""
+        reference = self.reference
+        if not (self.cfg.reference_beside_training and batch_size(batch) == per_step):
+            return None
+        plan = self._plan(batch, "logprob")[2]
+        if reference is None or not reference_ahead.usable(self.world_size, True, plan, self._plan(batch, "train")[2]):
+            return None
+        return reference_ahead.start(plan, lambda mb: self._microbatch_logprobs(reference, batch, mb),
+                                     (batch_size(batch), batch["input_ids"].shape[1]))
 
     def reuses_prev(self, batch: dict[str, torch.Tensor], per_step: int) -> bool:
         """Whether the training forward's logprobs (detached) are bitwise the `logprobs(batch)` a
@@ -230,6 +254,10 @@ class PolicyWorker(WorkerCore):
         with self._router.capture() if self._router is not None else contextlib.nullcontext():
             curr = self._microbatch_logprobs(self.model, batch, plan)  # [rows, W]
         mb = microbatch.rows_of(batch, plan.rows, curr.shape[1], curr.device)
+        if self._ahead is not None:  # this micro-batch's reference logprobs, computed beside its forward
+            self._ahead.wait_for(plan)
+            mb["ref_logprobs"] = microbatch.rows_of({"ref": self._ahead.out}, plan.rows, curr.shape[1],
+                                                    curr.device)["ref"]
         metrics: dict[str, float | torch.Tensor] = {}
         if self._reusing_prev:  # on-policy, one optimizer step: prev is this forward's logprobs
             mb["prev_logprobs"] = curr.detach()  # [rows, W] fp32, as logprobs() stores them

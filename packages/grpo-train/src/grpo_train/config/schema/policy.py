@@ -200,6 +200,15 @@ class PolicyConfig(Section):
     rollout: this many conversations), one chunk after the other. Bounds what an engine holds at once."""
     logprob_batch_size: int = Field(default=4, ge=1)
     """Samples per forward when computing prev/ref logprobs."""
+    reference_beside_training: bool = False
+    """Where the sync loop leaves the reference logprobs to the train call (one worker, on-policy, one
+    optimizer step; train_step.add_logprobs), compute them in a second thread beside the training
+    micro-batches (policy/reference_ahead.py) instead of before them: bitwise the same values, run
+    on a core the training forward/backward leaves idle, if it leaves one. It needs a reference
+    model of its own (not LoRA) and logprob micro-batches equal to the training ones; elsewhere
+    the forward runs first. It costs 3-5% more CPU seconds; on 2 quiet CPU cores it saved 4-8% of
+    the tiny demo's reference + train time and lost 3% at 34M, where training keeps both cores busy
+    (benchmarks/results/perf_profile_cpu.md, round 5): off by default, on in the tiny demo."""
     max_total_sequence_length: int = Field(default=512, ge=8)
     precision: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     logprob_chunk_size: int | None = None
