@@ -19,10 +19,11 @@ test: sync
 test-fast: sync
 	$(RUN) pytest packages tests -m "not slow"
 
-# ruff (lint, import order, complexity) and basedpyright (basic; errors older than the checker are in
+# ruff (lint, import order, complexity, format) and basedpyright (basic; errors older than the checker are in
 # .basedpyright/baseline.json). `make test` runs the same checks (tests/test_lint.py).
 lint:
 	$(RUN) ruff check .
+	$(RUN) ruff format --check .
 	$(RUN) basedpyright
 
 build:

@@ -28,12 +28,22 @@ import pytest  # noqa: E402
 # basedpyright 34 s; the kernels wheel install 33 s) were the tail of the collection order, where one
 # worker could run them while the other had nothing left.
 LONGEST_FIRST = (
-    "tests/test_e2e_grpo.py", "tests/test_e2e_async.py", "tests/test_e2e_ppo.py", "tests/test_placement.py",
-    "packages/grpo-train/tests/test_generation_group.py", "packages/grpo-train/tests/test_engine_faults.py",
-    "packages/grpo-train/tests/test_fsdp.py", "tests/test_e2e_recipes.py", "packages/grpo-train/tests/test_multi_turn.py",
-    "packages/grpo-train/tests/test_async_loop.py", "tests/test_multinode.py",
-    "packages/grpo-train/tests/test_weight_transport.py", "packages/grpo-train/tests/test_refit.py",
-    "tests/test_custom_env.py", "tests/test_kernels_install.py", "tests/test_lint.py",
+    "tests/test_e2e_grpo.py",
+    "tests/test_e2e_async.py",
+    "tests/test_e2e_ppo.py",
+    "tests/test_placement.py",
+    "packages/grpo-train/tests/test_generation_group.py",
+    "packages/grpo-train/tests/test_engine_faults.py",
+    "packages/grpo-train/tests/test_fsdp.py",
+    "tests/test_e2e_recipes.py",
+    "packages/grpo-train/tests/test_multi_turn.py",
+    "packages/grpo-train/tests/test_async_loop.py",
+    "tests/test_multinode.py",
+    "packages/grpo-train/tests/test_weight_transport.py",
+    "packages/grpo-train/tests/test_refit.py",
+    "tests/test_custom_env.py",
+    "tests/test_kernels_install.py",
+    "tests/test_lint.py",
 )
 
 
@@ -52,6 +62,8 @@ def ray_session():
     if not ray.is_initialized():
         from grpo_train.setup import start_local_head
 
-        start_local_head(lambda: ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-                                          configure_logging=False), ray.shutdown)
+        start_local_head(
+            lambda: ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False),
+            ray.shutdown,
+        )
     yield ray

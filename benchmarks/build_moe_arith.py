@@ -32,11 +32,24 @@ def main() -> None:
             shutil.copy(f, out)
     tok = AutoTokenizer.from_pretrained(src)
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(vocab_size=32, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
-                            num_key_value_heads=2, head_dim=64, intermediate_size=256, moe_intermediate_size=64,
-                            num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, max_position_embeddings=64,
-                            tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                            bos_token_id=None)
+    config = Qwen3MoeConfig(
+        vocab_size=32,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+    )
     model = Qwen3MoeForCausalLM(config)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     rng = random.Random(0)
@@ -53,8 +66,11 @@ def main() -> None:
         for i, (r, p) in enumerate(zip(rows, prompt_lens)):
             ids[i, : len(r)] = torch.tensor(r)
             labels[i, p : len(r)] = torch.tensor(r[p:])
-        loss = model(input_ids=ids, attention_mask=(labels != -100) | (torch.arange(width) < torch.tensor(
-            [len(r) for r in rows])[:, None]), labels=labels).loss
+        loss = model(
+            input_ids=ids,
+            attention_mask=(labels != -100) | (torch.arange(width) < torch.tensor([len(r) for r in rows])[:, None]),
+            labels=labels,
+        ).loss
         opt.zero_grad()
         loss.backward()
         opt.step()

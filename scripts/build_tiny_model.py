@@ -45,9 +45,7 @@ MAX_NEW_TOKENS = 6  # a 3-digit answer + EOS fits with room to spare
 # --- Tokenizer ---
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"  # <unk> is never produced (unknown characters are dropped)
 # transformers' Qwen2Tokenizer pre-tokenizer regex (digits split one by one by `\p{N}`).
-QWEN2_PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
+QWEN2_PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 VOCAB_SIZE = 32  # trained symbols + specials, filled with reserved tokens to the embedding size
 TOKENIZER_CORPUS_SIZE = 2000
 
@@ -138,7 +136,9 @@ def train_tokenizer(seed: int):
         corpus += [f"{a}+{b}={a + b}", f"{a} - {b} = {a - b}", f"{a}*{b}={a * b}"]
 
     tok = Tokenizer(
-        models.BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False, byte_fallback=False)
+        models.BPE(
+            unk_token=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False, byte_fallback=False
+        )
     )
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -151,7 +151,9 @@ def train_tokenizer(seed: int):
     specials = [PAD, EOS, UNK]
     # A vocabulary of exactly specials + alphabet leaves no room for merges: pure characters.
     alphabet_size = len(set("".join(corpus)))
-    trainer = trainers.BpeTrainer(vocab_size=len(specials) + alphabet_size, special_tokens=specials, show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=len(specials) + alphabet_size, special_tokens=specials, show_progress=False
+    )
     tok.train_from_iterator(corpus, trainer)
     vocab = tok.get_vocab()
     assert len(vocab) == len(specials) + alphabet_size, "the trainer learned merges"
@@ -161,8 +163,13 @@ def train_tokenizer(seed: int):
     for i in range(VOCAB_SIZE - len(vocab)):
         vocab[f"<reserved_{i}>"] = len(vocab)
     tok.model = models.BPE(
-        vocab=vocab, merges=[], unk_token=None, continuing_subword_prefix="", end_of_word_suffix="",
-        fuse_unk=False, byte_fallback=False,
+        vocab=vocab,
+        merges=[],
+        unk_token=None,
+        continuing_subword_prefix="",
+        end_of_word_suffix="",
+        fuse_unk=False,
+        byte_fallback=False,
     )
     assert tok.get_vocab_size() == VOCAB_SIZE
     return tok
@@ -202,10 +209,17 @@ def check_saved_tokenizer(out: Path, trained) -> None:
         if got != want:
             raise RuntimeError(f"{type(loaded).__name__} from {out} encodes {text!r} as {got}, training used {want}")
     ids = list(range(VOCAB_SIZE))
-    same_decoding = all(loaded.decode(ids, skip_special_tokens=skip) == trained.decode(ids, skip_special_tokens=skip) for skip in (False, True))
+    same_decoding = all(
+        loaded.decode(ids, skip_special_tokens=skip) == trained.decode(ids, skip_special_tokens=skip)
+        for skip in (False, True)
+    )
     if len(loaded) != VOCAB_SIZE or not same_decoding:
         raise RuntimeError(f"{type(loaded).__name__} from {out} has {len(loaded)} tokens or decodes differently")
-    if (loaded.eos_token_id, loaded.pad_token_id, loaded.bos_token_id) != (trained.eos_token_id, trained.pad_token_id, None):
+    if (loaded.eos_token_id, loaded.pad_token_id, loaded.bos_token_id) != (
+        trained.eos_token_id,
+        trained.pad_token_id,
+        None,
+    ):
         raise RuntimeError(f"special token ids differ after loading from {out}")
 
 
@@ -442,7 +456,8 @@ def build_record(out: Path, args, argv, model, tokenizer, result: SFTResult, tes
 
     hf_test_answers = greedy_answers(model, tokenizer, test_set)
     info = {
-        "command": "uv run --no-sync python scripts/build_tiny_model.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "uv run --no-sync python scripts/build_tiny_model.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
         "seed": args.seed,
         "torch_threads": args.threads,
         "torch_version": torch.__version__,
@@ -497,12 +512,12 @@ def write_readme(out: Path, info: dict) -> None:
   systematic bias that GRPO's reward removes within a few steps. (A checkpoint stopped half-way
   through plain SFT sits on a sharp point whose accuracy swings 10-20 points per SFT step; GRPO
   pushed it off that point rather than towards the reward.)
-- {s['steps']} steps, {s['seconds']:.1f} s wall time ({s['train_seconds']:.1f} s of it training) on this machine's 2-core CPU."""
+- {s["steps"]} steps, {s["seconds"]:.1f} s wall time ({s["train_seconds"]:.1f} s of it training) on this machine's 2-core CPU."""
     else:
         sft_lines = f"""- SFT recipe **early-stop**: AdamW lr {LEARNING_RATE} (default betas, no weight decay, no clipping), {WARMUP_STEPS} warm-up
   steps, batch {BATCH_SIZE}, loss on answer tokens + EOS, training pairs = all 10,000 pairs minus the {NUM_HELDOUT}
   held-out ones, in a seeded order; stopped at the first evaluation >= {TARGET_ACCURACY:.0%}.
-- Stopped after **{s['steps']} steps, {s['seconds']:.1f} s** wall time ({s['train_seconds']:.1f} s of it training)."""
+- Stopped after **{s["steps"]} steps, {s["seconds"]:.1f} s** wall time ({s["train_seconds"]:.1f} s of it training)."""
     text = f"""# arith-tiny
 
 The bundled tiny model of `grpo train` with no config: a Qwen2-style causal LM trained (SFT) on
@@ -516,7 +531,7 @@ minutes on a laptop-class CPU. Built by `scripts/build_tiny_model.py`; do not ed
 - Tokenizer: byte-level BPE trained locally with `tokenizers` on arithmetic text, alphabet only (no
   merges), in exactly the pipeline transformers' `Qwen2Tokenizer` rebuilds (AutoTokenizer forces that
   class for model_type qwen2), so every loader gives the same ids. Every digit, `+ - * =` and space is
-  one token. Specials `<pad>` (id {info['pad_token_id']}), `<eos>` (id {info['eos_token_id']}),
+  one token. Specials `<pad>` (id {info["pad_token_id"]}), `<eos>` (id {info["eos_token_id"]}),
   `<unk>` (never produced); the vocabulary is filled with plain `<reserved_i>` tokens to {VOCAB_SIZE}
   so that every embedding row decodes (to visible text, so they cannot hide inside an answer).
 
@@ -524,19 +539,19 @@ minutes on a laptop-class CPU. Built by `scripts/build_tiny_model.py`; do not ed
 - Qwen2ForCausalLM, hidden {HIDDEN}, {LAYERS} layers, {HEADS} heads x head_dim {HEAD_DIM}
   ({KV_HEADS} KV heads), MLP {INTERMEDIATE}, vocab {VOCAB_SIZE}, max positions {MAX_POSITIONS},
   tied embeddings, fp32.
-- {info['num_parameters']:,} parameters; `model.safetensors` {info['safetensors_bytes']:,} bytes
-  (sha256 `{info['safetensors_sha256'][:16]}...`).
+- {info["num_parameters"]:,} parameters; `model.safetensors` {info["safetensors_bytes"]:,} bytes
+  (sha256 `{info["safetensors_sha256"][:16]}...`).
 
 ## How it was built
 ```
-{info['command']}
+{info["command"]}
 ```
-- Seed {info['seed']}; torch {info['torch_version']}, transformers {info['transformers_version']},
-  {info['torch_threads']} torch thread(s), deterministic algorithms on. The same seed gives the
+- Seed {info["seed"]}; torch {info["torch_version"]}, transformers {info["transformers_version"]},
+  {info["torch_threads"]} torch thread(s), deterministic algorithms on. The same seed gives the
   same weights on the same machine.
 {sft_lines}
-- Held-out greedy accuracy (HF `generate`, {NUM_HELDOUT} problems): **{s['heldout_accuracy']:.1%}**;
-  on the first {NUM_TEST_PROBLEMS} (the set `tests/test_assets.py` re-checks): {info['test_subset_accuracy']:.1%}.
+- Held-out greedy accuracy (HF `generate`, {NUM_HELDOUT} problems): **{s["heldout_accuracy"]:.1%}**;
+  on the first {NUM_TEST_PROBLEMS} (the set `tests/test_assets.py` re-checks): {info["test_subset_accuracy"]:.1%}.
   The held-out set is `random.Random({HELDOUT_SEED}).sample(range(10000), {NUM_HELDOUT})`, pair `(x // 100, x % 100)`.
 {vllm_lines}
 
@@ -588,14 +603,22 @@ def write_model(out: Path, model) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common_arguments(parser, SEED, "skip the real-vLLM greedy check")
-    parser.add_argument("--recipe", choices=("biased-carry", "early-stop", "tool-arith"), default="biased-carry",
-                        help="biased-carry: converged SFT on carry-biased labels (default); early-stop: stop at "
-                             "TARGET_ACCURACY; tool-arith: the calculator-tool model (scripts/build_tiny_tool_model.py)")
+    parser.add_argument(
+        "--recipe",
+        choices=("biased-carry", "early-stop", "tool-arith"),
+        default="biased-carry",
+        help="biased-carry: converged SFT on carry-biased labels (default); early-stop: stop at "
+        "TARGET_ACCURACY; tool-arith: the calculator-tool model (scripts/build_tiny_tool_model.py)",
+    )
     args = parser.parse_args(argv)
     if args.recipe == "tool-arith":
         import build_tiny_tool_model
 
-        rest = [a for a in (sys.argv[1:] if argv is None else argv) if a not in ("--recipe", "tool-arith", "--recipe=tool-arith")]
+        rest = [
+            a
+            for a in (sys.argv[1:] if argv is None else argv)
+            if a not in ("--recipe", "tool-arith", "--recipe=tool-arith")
+        ]
         return build_tiny_tool_model.main(rest)
 
     out: Path = args.out
@@ -610,7 +633,11 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(tokenizer)
     heldout = heldout_problems()
     print(f"model: {count_parameters(model):,} parameters; SFT until held-out greedy acc >= {TARGET_ACCURACY:.0%}")
-    result = sft_biased(model, tokenizer, heldout, args.seed) if args.recipe == "biased-carry" else sft(model, tokenizer, heldout, args.seed)
+    result = (
+        sft_biased(model, tokenizer, heldout, args.seed)
+        if args.recipe == "biased-carry"
+        else sft(model, tokenizer, heldout, args.seed)
+    )
 
     write_model(out, model)
     save_tokenizer(tok, out)

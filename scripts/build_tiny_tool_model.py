@@ -55,8 +55,20 @@ PAD, EOS, UNK = base.PAD, base.EOS, base.UNK
 TOOLS_OPEN, TOOLS_CLOSE, USER, ASSISTANT, RESULT, END = "<tools>", "</tools>", "<user>", "<asst>", "<result>", "<end>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 FRAME_NAME, FRAME_ARGS, FRAME_CLOSE = '{"name": "', '", "arguments": {"expression": "', '"}}'
-ADDED_TOKENS = [TOOLS_OPEN, TOOLS_CLOSE, USER, ASSISTANT, RESULT, END, CALL_OPEN, CALL_CLOSE, TOOL_NAME,
-                FRAME_NAME, FRAME_ARGS, FRAME_CLOSE]
+ADDED_TOKENS = [
+    TOOLS_OPEN,
+    TOOLS_CLOSE,
+    USER,
+    ASSISTANT,
+    RESULT,
+    END,
+    CALL_OPEN,
+    CALL_CLOSE,
+    TOOL_NAME,
+    FRAME_NAME,
+    FRAME_ARGS,
+    FRAME_CLOSE,
+]
 VOCAB_SIZE = 32
 # Tools render as their names (the demo's one tool is one token); an assistant turn ends with <eos>,
 # which is also the token generation stops on; tool results and user turns end with <end>.
@@ -70,8 +82,16 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt %}<asst>{% endif -%}"
 )
-TOOLS = [{"type": "function", "function": {"name": TOOL_NAME, "description": "integer expression",
-                                           "parameters": {"type": "object", "properties": {}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": TOOL_NAME,
+            "description": "integer expression",
+            "parameters": {"type": "object", "properties": {}},
+        },
+    }
+]
 
 # --- Model: arith-tiny's shape with room for a whole conversation ---
 MAX_POSITIONS = 96
@@ -119,13 +139,24 @@ def train_tokenizer():
     vocab = {PAD: 0, EOS: 1, UNK: 2}
     for ch in alphabet:
         vocab[ch] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, continuing_subword_prefix="",
-                               end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
+    tok = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=[],
+            unk_token=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+            byte_fallback=False,
+        )
+    )
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(base.QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(base.QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (PAD, EOS, UNK)])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED_TOKENS])
@@ -138,9 +169,17 @@ def train_tokenizer():
 def save_tokenizer(tok, out: Path) -> None:
     tok.save(str(out / "tokenizer.json"))
     special = {"eos_token": EOS, "pad_token": PAD, "unk_token": UNK}
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "bos_token": None, "add_bos_token": False,
-              "add_eos_token": False, "clean_up_tokenization_spaces": False, "model_max_length": MAX_POSITIONS,
-              "padding_side": "left", "chat_template": CHAT_TEMPLATE}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **special,
+        "bos_token": None,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": MAX_POSITIONS,
+        "padding_side": "left",
+        "chat_template": CHAT_TEMPLATE,
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
@@ -155,8 +194,15 @@ def encode(tokenizer, text: str) -> list[int]:
 
 
 def prompt_ids(tokenizer, a: int, b: int) -> list[int]:
-    return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt_text(a, b)}], tools=TOOLS,
-                                              tokenize=True, add_generation_prompt=True, return_dict=False))
+    return list(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt_text(a, b)}],
+            tools=TOOLS,
+            tokenize=True,
+            add_generation_prompt=True,
+            return_dict=False,
+        )
+    )
 
 
 def observation_ids(tokenizer, result: str) -> list[int]:
@@ -181,8 +227,12 @@ def check_traces(tokenizer) -> None:
     """The carried ids of both trace kinds equal a fresh render of the whole conversation."""
     for a, b in ((0, 0), (1234, 8765), (9999, 9999), (7, 450)):
         msgs = [{"role": "user", "content": prompt_text(a, b)}]
-        tool = [*msgs, {"role": "assistant", "content": call_text(a, b)},
-                {"role": "tool", "name": TOOL_NAME, "content": str(a + b)}, {"role": "assistant", "content": str(a + b)}]
+        tool = [
+            *msgs,
+            {"role": "assistant", "content": call_text(a, b)},
+            {"role": "tool", "name": TOOL_NAME, "content": str(a + b)},
+            {"role": "assistant", "content": str(a + b)},
+        ]
         for use_tool, conv in ((True, tool), (False, [*msgs, {"role": "assistant", "content": str(a + b)}])):
             fresh = list(tokenizer.apply_chat_template(conv, tools=TOOLS, tokenize=True, return_dict=False))
             ids, _ = trace(tokenizer, a, b, use_tool)
@@ -210,7 +260,7 @@ def parse_call(text: str) -> tuple[int, int] | None:
     if not (text.startswith(CALL_OPEN) and text.endswith(CALL_CLOSE)):
         return None
     try:
-        body = json.loads(text[len(CALL_OPEN):-len(CALL_CLOSE)])
+        body = json.loads(text[len(CALL_OPEN) : -len(CALL_CLOSE)])
         a, b = body["arguments"]["expression"].split("+")
         return (int(a), int(b)) if body["name"] == TOOL_NAME else None
     except (ValueError, KeyError, TypeError, AttributeError):
@@ -229,9 +279,15 @@ def greedy_conversations(model, tokenizer, probs: list[tuple[int, int]]) -> list
             rec = {"problem": prompt_text(a, b), "called": False, "call_ok": False, "answer": ""}
             for turn in range(2):
                 x = torch.tensor([ids])
-                out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
-                                     max_new_tokens=MAX_NEW_TOKENS, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
-                new = out[0, len(ids):].tolist()
+                out = model.generate(
+                    input_ids=x,
+                    attention_mask=torch.ones_like(x),
+                    do_sample=False,
+                    max_new_tokens=MAX_NEW_TOKENS,
+                    eos_token_id=eos,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
+                new = out[0, len(ids) :].tolist()
                 text = tokenizer.decode(new, skip_special_tokens=True)
                 if turn == 0 and text.startswith(CALL_OPEN):
                     rec["called"] = True
@@ -250,10 +306,13 @@ def greedy_conversations(model, tokenizer, probs: list[tuple[int, int]]) -> list
 def summary(records: list[dict]) -> dict:
     n = len(records)
     called = [r for r in records if r["called"]]
-    return {"accuracy": sum(r["correct"] for r in records) / n, "tool_call_rate": len(called) / n,
-            "call_ok_rate": sum(r["call_ok"] for r in called) / max(len(called), 1),
-            "accuracy_with_call": sum(r["correct"] for r in called) / max(len(called), 1),
-            "accuracy_without_call": sum(r["correct"] for r in records if not r["called"]) / max(n - len(called), 1)}
+    return {
+        "accuracy": sum(r["correct"] for r in records) / n,
+        "tool_call_rate": len(called) / n,
+        "call_ok_rate": sum(r["call_ok"] for r in called) / max(len(called), 1),
+        "accuracy_with_call": sum(r["correct"] for r in called) / max(len(called), 1),
+        "accuracy_without_call": sum(r["correct"] for r in records if not r["called"]) / max(n - len(called), 1),
+    }
 
 
 def forced_call_accuracy(model, tokenizer, probs: list[tuple[int, int]]) -> float:
@@ -266,10 +325,15 @@ def forced_call_accuracy(model, tokenizer, probs: list[tuple[int, int]]) -> floa
         for a, b in probs:
             ids = prompt_ids(tokenizer, a, b) + [call_open]
             x = torch.tensor([ids])
-            out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
-                                 max_new_tokens=MAX_NEW_TOKENS, eos_token_id=tokenizer.eos_token_id,
-                                 pad_token_id=tokenizer.pad_token_id)
-            ok += parse_call(tokenizer.decode(out[0, len(ids) - 1:].tolist(), skip_special_tokens=True)) == (a, b)
+            out = model.generate(
+                input_ids=x,
+                attention_mask=torch.ones_like(x),
+                do_sample=False,
+                max_new_tokens=MAX_NEW_TOKENS,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            ok += parse_call(tokenizer.decode(out[0, len(ids) - 1 :].tolist(), skip_special_tokens=True)) == (a, b)
     return ok / len(probs)
 
 
@@ -314,16 +378,21 @@ def vllm_first_turns(model_dir: Path, tokenizer, probs: list[tuple[int, int]]) -
 
     llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=MAX_POSITIONS, seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=prompt_ids(tokenizer, a, b)) for a, b in probs], params,
-                        use_tqdm=False)
+    outs = llm.generate(
+        [TokensPrompt(prompt_token_ids=prompt_ids(tokenizer, a, b)) for a, b in probs], params, use_tqdm=False
+    )
     return [o.outputs[0].text for o in outs]
 
 
 def write_readme(out: Path, info: dict) -> None:
     s, e = info["sft"], info["heldout"]
     v = info.get("vllm")
-    vllm_line = (f"- Real vLLM ({v['version']}, CPU, fp32, greedy) first turns on {v['num_problems']} held-out prompts: "
-                 f"{v['agreement']:.1%} identical to HF `generate`." if v else "- vLLM check: not run (`--skip-vllm`).")
+    vllm_line = (
+        f"- Real vLLM ({v['version']}, CPU, fp32, greedy) first turns on {v['num_problems']} held-out prompts: "
+        f"{v['agreement']:.1%} identical to HF `generate`."
+        if v
+        else "- vLLM check: not run (`--skip-vllm`)."
+    )
     text = f"""# arith-tool-tiny
 
 The bundled tiny model of the calculator-tool demo (`grpo train -c grpo_tool_arith_tiny.yaml`): a
@@ -340,34 +409,34 @@ Qwen2-style causal LM SFT-warmed on 4-digit addition conversations that either c
   `<result>6912<end><asst>`; the final turn is `6912<eos>`.
 - Tokenizer: digits, `+`, `=` one token each (arith-tiny's Qwen2 pipeline); the chat markers, the
   tool's name and the fixed JSON frame of a call are added, non-special tokens (they decode
-  visibly); `<pad>` {info['pad_token_id']}, `<eos>` {info['eos_token_id']}, vocabulary filled with
+  visibly); `<pad>` {info["pad_token_id"]}, `<eos>` {info["eos_token_id"]}, vocabulary filled with
   `<reserved_i>` to {VOCAB_SIZE}.
 
 ## Model
 - Qwen2ForCausalLM, hidden {base.HIDDEN}, {base.LAYERS} layers, {base.HEADS} heads x head_dim {base.HEAD_DIM},
   MLP {base.INTERMEDIATE}, vocab {VOCAB_SIZE}, max positions {MAX_POSITIONS}, tied embeddings, fp32;
-  {info['num_parameters']:,} parameters, `model.safetensors` {info['safetensors_bytes']:,} bytes
-  (sha256 `{info['safetensors_sha256'][:16]}...`).
+  {info["num_parameters"]:,} parameters, `model.safetensors` {info["safetensors_bytes"]:,} bytes
+  (sha256 `{info["safetensors_sha256"][:16]}...`).
 
 ## How it was built
 ```
-{info['command']}
+{info["command"]}
 ```
-- Seed {info['seed']}; torch {info['torch_version']}, transformers {info['transformers_version']},
-  {info['torch_threads']} torch thread(s), deterministic algorithms on.
+- Seed {info["seed"]}; torch {info["torch_version"]}, transformers {info["transformers_version"]},
+  {info["torch_threads"]} torch thread(s), deterministic algorithms on.
 - SFT: AdamW lr {LEARNING_RATE} ({WARMUP_STEPS} warm-up steps, cosine to 0), clipping {GRAD_CLIP}, batch
   {BATCH_SIZE}, {SFT_STEPS} steps, loss on assistant tokens + `<eos>`, fresh random 4-digit pairs
   (the held-out ones excluded). A trace skips the tool with probability {TOOL_SKIP_PROB} (label: the
   true sum, answered directly): the warmed model prefers answering directly, mostly wrong, and
   calls the tool in a minority of samples, a bias that the reward removes.
-- {s['steps']} steps, {s['seconds']:.1f} s wall time ({s['train_seconds']:.1f} s training) on a loaded 2-core CPU.
+- {s["steps"]} steps, {s["seconds"]:.1f} s wall time ({s["train_seconds"]:.1f} s training) on a loaded 2-core CPU.
 
 ## Held-out greedy results ({NUM_HELDOUT} problems, `random.Random({HELDOUT_SEED})`, calculator simulated)
-- accuracy **{e['accuracy']:.1%}**; tool-call rate {e['tool_call_rate']:.1%}
-  (calls exactly right: {e['call_ok_rate']:.1%}); accuracy when calling {e['accuracy_with_call']:.1%},
-  without {e['accuracy_without_call']:.1%}.
+- accuracy **{e["accuracy"]:.1%}**; tool-call rate {e["tool_call_rate"]:.1%}
+  (calls exactly right: {e["call_ok_rate"]:.1%}); accuracy when calling {e["accuracy_with_call"]:.1%},
+  without {e["accuracy_without_call"]:.1%}.
 - With the first token forced to `<tool_call>`, the greedy call is exactly right on
-  {info['forced_call_ok']:.1%} of them.
+  {info["forced_call_ok"]:.1%} of them.
 {vllm_line}
 
 Full numbers (and the SFT curve) are in `build_info.json`.
@@ -387,8 +456,9 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import PreTrainedTokenizerFast
 
     tok = train_tokenizer()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, unk_token=UNK,
-                                        clean_up_tokenization_spaces=False)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOS, pad_token=PAD, unk_token=UNK, clean_up_tokenization_spaces=False
+    )
     tokenizer.chat_template = CHAT_TEMPLATE
     check_traces(tokenizer)
     base.MAX_POSITIONS, base.VOCAB_SIZE = MAX_POSITIONS, VOCAB_SIZE
@@ -404,14 +474,23 @@ def main(argv: list[str] | None = None) -> int:
     records = greedy_conversations(model, tokenizer, heldout)
     info = {
         "command": "uv run --no-sync python scripts/build_tiny_model.py --recipe tool-arith "
-                   + " ".join(a for a in (sys.argv[1:] if argv is None else argv) if a not in ("--recipe", "tool-arith")),
-        "seed": args.seed, "torch_threads": args.threads, "torch_version": torch.__version__,
-        "transformers_version": transformers.__version__, "num_parameters": base.count_parameters(model),
+        + " ".join(a for a in (sys.argv[1:] if argv is None else argv) if a not in ("--recipe", "tool-arith")),
+        "seed": args.seed,
+        "torch_threads": args.threads,
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+        "num_parameters": base.count_parameters(model),
         "safetensors_bytes": (out / "model.safetensors").stat().st_size,
         "safetensors_sha256": base.sha256(out / "model.safetensors"),
-        "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
-        "heldout_seed": HELDOUT_SEED, "num_heldout": NUM_HELDOUT, "digits": DIGITS, "tool_skip_prob": TOOL_SKIP_PROB,
-        "sft": result, "heldout": summary(records), "forced_call_ok": forced_call_accuracy(model, tokenizer, heldout),
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "heldout_seed": HELDOUT_SEED,
+        "num_heldout": NUM_HELDOUT,
+        "digits": DIGITS,
+        "tool_skip_prob": TOOL_SKIP_PROB,
+        "sft": result,
+        "heldout": summary(records),
+        "forced_call_ok": forced_call_accuracy(model, tokenizer, heldout),
         "heldout_first_turns": [r["called"] for r in records],
     }
     if not args.skip_vllm:
@@ -422,14 +501,22 @@ def main(argv: list[str] | None = None) -> int:
         with torch.no_grad():
             for a, b in probs:
                 x = torch.tensor([prompt_ids(tokenizer, a, b)])
-                o = model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
-                                   max_new_tokens=MAX_NEW_TOKENS, eos_token_id=tokenizer.eos_token_id,
-                                   pad_token_id=tokenizer.pad_token_id)
-                hf_first.append(tokenizer.decode(o[0, x.shape[1]:].tolist(), skip_special_tokens=True))
+                o = model.generate(
+                    input_ids=x,
+                    attention_mask=torch.ones_like(x),
+                    do_sample=False,
+                    max_new_tokens=MAX_NEW_TOKENS,
+                    eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
+                hf_first.append(tokenizer.decode(o[0, x.shape[1] :].tolist(), skip_special_tokens=True))
         vl = vllm_first_turns(out, tokenizer, probs)
-        info["vllm"] = {"version": vllm.__version__, "num_problems": len(probs),
-                        "agreement": sum(x == y for x, y in zip(vl, hf_first)) / len(probs),
-                        "mismatches": [{"hf": h, "vllm": v} for h, v in zip(hf_first, vl) if h != v]}
+        info["vllm"] = {
+            "version": vllm.__version__,
+            "num_problems": len(probs),
+            "agreement": sum(x == y for x, y in zip(vl, hf_first)) / len(probs),
+            "mismatches": [{"hf": h, "vllm": v} for h, v in zip(hf_first, vl) if h != v],
+        }
     (out / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
     write_readme(out, info)
     print(json.dumps({k: v for k, v in info.items() if k not in ("sft", "heldout_first_turns")}, indent=2))

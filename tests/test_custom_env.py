@@ -31,8 +31,16 @@ def _env_with_fixtures(**extra: str) -> dict[str, str]:
 
 def _config(tmp_path: Path, env: dict, **sections) -> Path:
     path = tmp_path / "custom.yaml"
-    path.write_text(yaml.safe_dump({"defaults": str(DEMO), "env": {"_override_": True, **env},
-                                    "data": {"validation": None, "train": {"env_name": next(iter(env))}}, **sections}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "defaults": str(DEMO),
+                "env": {"_override_": True, **env},
+                "data": {"validation": None, "train": {"env_name": next(iter(env))}},
+                **sections,
+            }
+        )
+    )
     return path
 
 
@@ -44,14 +52,23 @@ BAD = [
     ({"x": {"class": "not a path"}}, "env.x.class", "should match pattern"),
     ({"x": {"class": "my_env:OffByOneEnv", "partial": "big"}}, "env.x.partial", "valid number"),
     ({"x": {"reward_fn": "my_rewards:NOT_CALLABLE"}}, "env.x.reward_fn", "is 3.0, which is not callable"),
-    ({"x": {"reward_fn": "my_rewards:three_args"}}, "env.x.reward_fn",
-     r"expected (response: str) or (response: str, env_info: dict)"),
-    ({"x": {"reward_fn": "my_rewards:score", "class": "my_env:OffByOneEnv"}}, "env.x",
-     "either `class` (an Environment) or `reward_fn` (a function), not both"),
+    (
+        {"x": {"reward_fn": "my_rewards:three_args"}},
+        "env.x.reward_fn",
+        r"expected (response: str) or (response: str, env_info: dict)",
+    ),
+    (
+        {"x": {"reward_fn": "my_rewards:score", "class": "my_env:OffByOneEnv"}},
+        "env.x",
+        "either `class` (an Environment) or `reward_fn` (a function), not both",
+    ),
     ({"x": {"reward_fn": "my_rewards:score", "partial": 1.0}}, "env.x", "takes no settings of its own"),
     ({"x": {"class": "my_env:OffByOneEnv", "resources": {"TPU": 1}}}, "env.x.resources", "unknown resource(s) TPU"),
-    ({"x": {"class": "my_env:OffByOneEnv", "resources": {"num_gpus": 1}}}, "env.x.resources",
-     "resource 'num_gpus': write 'GPU'"),
+    (
+        {"x": {"class": "my_env:OffByOneEnv", "resources": {"num_gpus": 1}}},
+        "env.x.resources",
+        "resource 'num_gpus': write 'GPU'",
+    ),
     ({"x": {}}, "env.x", "unknown environment; registered:"),
 ]
 
@@ -73,8 +90,16 @@ def test_unresolvable_annotations_still_check_setting_names(tmp_path, monkeypatc
     from grpo_cli.main import main
 
     monkeypatch.syspath_prepend(str(FIXTURES))
-    assert main(["config", "validate", str(_config(tmp_path, {"x": {"class": "my_env:CheckerOnlyAnnotations",
-                                                                      "partial": 0.5}}))]) == 0
+    assert (
+        main(
+            [
+                "config",
+                "validate",
+                str(_config(tmp_path, {"x": {"class": "my_env:CheckerOnlyAnnotations", "partial": 0.5}})),
+            ]
+        )
+        == 0
+    )
     bad = _config(tmp_path, {"x": {"class": "my_env:CheckerOnlyAnnotations", "partal": 0.5}})
     assert main(["config", "validate", str(bad)]) == 2
     assert f"{bad}: env.x.partal: unknown key (environment 'x' takes: partial)" in capsys.readouterr().err
@@ -84,8 +109,14 @@ def test_train_refuses_a_bad_class_before_any_actor_starts(tmp_path):
     """The real CLI process: exit 2, one line, and no Ray started (no session folder written)."""
     path = _config(tmp_path, {"x": {"class": "my_env:NotAnEnv"}})
     ray_tmp = tmp_path / "ray"
-    result = subprocess.run([sys.executable, "-m", "grpo_cli.main", "train", "-c", str(path)], capture_output=True, text=True,
-                            cwd=tmp_path, timeout=300, env=_env_with_fixtures(RAY_TMPDIR=str(ray_tmp)))
+    result = subprocess.run(
+        [sys.executable, "-m", "grpo_cli.main", "train", "-c", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+        env=_env_with_fixtures(RAY_TMPDIR=str(ray_tmp)),
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr
     assert "env.x.class: 'my_env:NotAnEnv' is <class 'my_env.NotAnEnv'>, not a subclass" in result.stderr
@@ -113,10 +144,16 @@ pool.shutdown()
 
 def test_resources_give_each_env_actor_its_own_gpu(tmp_path):
     """A Ray of two logical GPUs (its own: the session's has none); the class found on PYTHONPATH."""
-    result = subprocess.run([sys.executable, "-c", GPU_DRIVER], capture_output=True, text=True, timeout=600,
-                            cwd=tmp_path, env=_env_with_fixtures())
+    result = subprocess.run(
+        [sys.executable, "-c", GPU_DRIVER],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env=_env_with_fixtures(),
+    )
     assert result.returncode == 0, result.stderr[-4000:]
-    probe = json.loads(next(x for x in result.stdout.splitlines() if x.startswith("PROBE "))[len("PROBE "):])
+    probe = json.loads(next(x for x in result.stdout.splitlines() if x.startswith("PROBE "))[len("PROBE ") :])
     assert len({m["pid"] for m in probe}) == 2  # two workers, one sample each
     gpus = [m["gpu_ids"] for m in probe]
     assert all(len(g) == 1 for g in gpus) and sorted(g[0] for g in gpus) == ["0", "1"]
@@ -131,8 +168,14 @@ def test_step_timeout_and_reward_fn_from_config_in_env_actors(ray_session, monke
     from grpo_train.setup import build_envs
 
     monkeypatch.chdir(FIXTURES)
-    cfg = validate_config_dict({"env": {"slow": {"class": "my_env:SlowEnv", "step_timeout_s": 1.0, "delay_s": 600},
-                                        "scored": {"reward_fn": "my_rewards:score"}}})
+    cfg = validate_config_dict(
+        {
+            "env": {
+                "slow": {"class": "my_env:SlowEnv", "step_timeout_s": 1.0, "delay_s": 600},
+                "scored": {"reward_fn": "my_rewards:score"},
+            }
+        }
+    )
     pools = build_envs(cfg)
     try:
         first = pools["slow"].step(_logs("fast", "slow"), [{}, {}])
@@ -159,22 +202,41 @@ def test_custom_env_and_reward_fn_train_through_grpo_train(tmp_path):
     calls = tmp_path / "calls.jsonl"
     train = {"dataset_name": "arithmetic", "size": 1000, "digits": 2, "processor": "plain"}
     path = tmp_path / "custom.yaml"
-    path.write_text(yaml.safe_dump({
-        "defaults": str(DEMO),
-        "grpo": {"num_prompts_per_step": 8, "max_num_steps": 2, "val_period": 0, "val_at_start": False,
-                 "val_at_end": False},
-        "policy": {"train_global_batch_size": 64, "train_micro_batch_size": 32},
-        "data": {"validation": None, "train": [{**train, "seed": 1, "env_name": "near"},
-                                               {**train, "seed": 3, "env_name": "scored"}]},
-        "env": {"_override_": True, "near": {"class": "my_env:OffByOneEnv", "partial": 0.25},
-                "scored": {"reward_fn": "my_rewards:score"}},
-        "logger": {"wandb_enabled": False, "tensorboard_enabled": False, "plot_enabled": False},
-        "checkpointing": {"enabled": False},
-    }))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "defaults": str(DEMO),
+                "grpo": {
+                    "num_prompts_per_step": 8,
+                    "max_num_steps": 2,
+                    "val_period": 0,
+                    "val_at_start": False,
+                    "val_at_end": False,
+                },
+                "policy": {"train_global_batch_size": 64, "train_micro_batch_size": 32},
+                "data": {
+                    "validation": None,
+                    "train": [{**train, "seed": 1, "env_name": "near"}, {**train, "seed": 3, "env_name": "scored"}],
+                },
+                "env": {
+                    "_override_": True,
+                    "near": {"class": "my_env:OffByOneEnv", "partial": 0.25},
+                    "scored": {"reward_fn": "my_rewards:score"},
+                },
+                "logger": {"wandb_enabled": False, "tensorboard_enabled": False, "plot_enabled": False},
+                "checkpointing": {"enabled": False},
+            }
+        )
+    )
     run_dir = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "grpo_cli.main", "train", "-c", str(path), "--run-dir", str(run_dir)],
-                            capture_output=True, text=True, cwd=tmp_path, timeout=600,
-                            env=_env_with_fixtures(MY_REWARDS_LOG=str(calls)))
+    result = subprocess.run(
+        [sys.executable, "-m", "grpo_cli.main", "train", "-c", str(path), "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=600,
+        env=_env_with_fixtures(MY_REWARDS_LOG=str(calls)),
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     train_rows = [r for r in rows if r["split"] == "train"]
@@ -187,7 +249,7 @@ def test_custom_env_and_reward_fn_train_through_grpo_train(tmp_path):
     # and the class's 1 (exact) / 0.25 (off by one) / 0, rebuilt from the class's own metrics
     start = 0
     for row, n_scored in zip(train_rows, counts, strict=True):
-        scored = logged[start:start + n_scored]
+        scored = logged[start : start + n_scored]
         start += n_scored
         n_near = 64 - n_scored
         exact, off = row["env/near/exact"] * n_near, row["env/near/off_by_one"]
@@ -226,13 +288,20 @@ def test_readme_custom_reward_example_runs(tmp_path, monkeypatch):
     from grpo_train.setup import REWARD_FN_ENV
 
     cfg, _ = load_config(argv[3], argv[4:], [CONFIG_DIR])
-    (name, env_cfg), = cfg.env.items()
+    ((name, env_cfg),) = cfg.env.items()
     assert cfg.data.train.env_name == name and env_cfg.reward_fn == f"{module.group(1)}:score"
     try:
-        pool = EnvPool(name, {"reward_fn": env_cfg.reward_fn}, in_process=True, env_class=REWARD_FN_ENV,
-                       import_paths=env_import_paths())
-        logs = [[{"role": "user", "content": "12+34="}, {"role": "assistant", "content": answer}]
-                for answer in ("46", "46 is it", "45", "")]
+        pool = EnvPool(
+            name,
+            {"reward_fn": env_cfg.reward_fn},
+            in_process=True,
+            env_class=REWARD_FN_ENV,
+            import_paths=env_import_paths(),
+        )
+        logs = [
+            [{"role": "user", "content": "12+34="}, {"role": "assistant", "content": answer}]
+            for answer in ("46", "46 is it", "45", "")
+        ]
         out = pool.step(logs, [{"ground_truth": "46"}] * 4)
     finally:
         sys.modules.pop(module.group(1), None)

@@ -19,14 +19,27 @@ import pytest
 
 from grpo_train.state_io import load_state
 
-SHORT = ["grpo.num_prompts_per_step=8", "policy.train_global_batch_size=64", "policy.train_micro_batch_size=32",
-         "grpo.max_val_samples=32", "grpo.val_at_start=false", "logger.wandb_enabled=false",
-         "logger.tensorboard_enabled=false", "logger.plot_enabled=false"]
+SHORT = [
+    "grpo.num_prompts_per_step=8",
+    "policy.train_global_batch_size=64",
+    "policy.train_micro_batch_size=32",
+    "grpo.max_val_samples=32",
+    "grpo.val_at_start=false",
+    "logger.wandb_enabled=false",
+    "logger.tensorboard_enabled=false",
+    "logger.plot_enabled=false",
+]
 ASYNC = ["--config", "grpo_arith_tiny_async.yaml"]
 # Wall-clock figures differ between runs (and so does the buffer's size when a step takes it);
 # everything else must match exactly.
-TIMING = ("timing/", "tokens_per_s", "async/generation_idle_s", "async/trainer_starvation_s",
-          "async/exposed_generation_s", "async/buffer_size")
+TIMING = (
+    "timing/",
+    "tokens_per_s",
+    "async/generation_idle_s",
+    "async/trainer_starvation_s",
+    "async/exposed_generation_s",
+    "async/buffer_size",
+)
 
 
 def grpo_cmd(*args: str) -> list[str]:
@@ -36,8 +49,15 @@ def grpo_cmd(*args: str) -> list[str]:
 def start_grpo(*args: str, cwd: Path) -> subprocess.Popen:
     """A run in the background: start-up (Ray, vLLM) is mostly waiting, so two runs side by side
     take far less wall time than one after the other; their results do not depend on timing."""
-    return subprocess.Popen(grpo_cmd(*args), cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    return subprocess.Popen(
+        grpo_cmd(*args),
+        cwd=cwd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        start_new_session=True,
+    )
 
 
 def finish(proc: subprocess.Popen) -> str:
@@ -67,12 +87,25 @@ def test_zero_age_async_reproduces_the_sync_loop(tmp_path):
     exactly (the async engine samples what the offline engine samples). The async run pushes its
     weights over the collective transport (buckets broadcast into the engine's worker), the sync
     run over the object store: the refit check and every later step match all the same."""
-    common = [*SHORT, "grpo.max_num_steps=3", "grpo.val_period=0", "grpo.val_at_end=false",
-              "checkpointing.enabled=false", "loss_fn.use_importance_sampling_correction=true"]
+    common = [
+        *SHORT,
+        "grpo.max_num_steps=3",
+        "grpo.val_period=0",
+        "grpo.val_at_end=false",
+        "checkpointing.enabled=false",
+        "loss_fn.use_importance_sampling_correction=true",
+    ]
     sync = start_grpo("--run-dir", str(tmp_path / "sync"), *common, cwd=tmp_path)
-    run = start_grpo(*ASYNC, "--run-dir", str(tmp_path / "async"), *common,
-                     "grpo.async_grpo.max_trajectory_age_steps=0", "policy.generation.weight_transport=collective",
-                     "policy.generation.refit_buffer_size_gb=0.0005", cwd=tmp_path)
+    run = start_grpo(
+        *ASYNC,
+        "--run-dir",
+        str(tmp_path / "async"),
+        *common,
+        "grpo.async_grpo.max_trajectory_age_steps=0",
+        "policy.generation.weight_transport=collective",
+        "policy.generation.refit_buffer_size_gb=0.0005",
+        cwd=tmp_path,
+    )
     finish(sync)
     finish(run)
     rows_sync = metrics(tmp_path / "sync")
@@ -87,14 +120,26 @@ def test_zero_age_async_reproduces_the_sync_loop(tmp_path):
 def test_kill_and_resume_trains_every_prompt_once_within_the_age_bound(tmp_path):
     from safetensors.torch import load_file
 
-    common = [*ASYNC, *SHORT, "grpo.max_num_steps=6", "grpo.val_period=0", "grpo.val_at_start=true",
-              "checkpointing.save_period=3", "checkpointing.keep_top_k=null"]
+    common = [
+        *ASYNC,
+        *SHORT,
+        "grpo.max_num_steps=6",
+        "grpo.val_period=0",
+        "grpo.val_at_start=true",
+        "checkpointing.save_period=3",
+        "checkpointing.keep_top_k=null",
+    ]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     uninterrupted = start_grpo("--run-dir", str(straight), *common, cwd=tmp_path)
     # Killed as soon as the step-3 checkpoint exists: the collector is then generating step 5's
     # batch (its weights, version 3, were pushed before the save), so generation is in flight.
-    proc = subprocess.Popen(grpo_cmd("--run-dir", str(resumed), *common), cwd=tmp_path,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        grpo_cmd("--run-dir", str(resumed), *common),
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.time() + 600
     while not (resumed / "checkpoints" / "step_3" / "trainer_state.json").exists():
         assert proc.poll() is None, "the run ended before its step-3 checkpoint"

@@ -26,8 +26,12 @@ SHORT = [
     "grpo.val_at_start=false",
 ]
 # Multi-turn: arithmetic prompts routed to the number-guessing environment, up to 3 turns.
-MULTI_TURN = ["grpo.max_rollout_turns=3", "data.train.env_name=number_guess", "+env.number_guess.num_workers=1",
-              "+env.number_guess.max_turns=3"]
+MULTI_TURN = [
+    "grpo.max_rollout_turns=3",
+    "data.train.env_name=number_guess",
+    "+env.number_guess.num_workers=1",
+    "+env.number_guess.max_turns=3",
+]
 # Wall-clock measurements differ between runs; everything else must match exactly.
 NONDETERMINISTIC = ("timing/", "tokens_per_s")
 
@@ -55,8 +59,17 @@ def test_short_run_with_dynamic_sampling_writes_metrics_plot_logs_and_checkpoint
     is on (it changes which groups a step keeps, none of what this run writes): every step keeps
     num_prompts_per_step groups, each with reward spread unless the rounds ran out."""
     run_dir = tmp_path / "run"
-    args = ["train", "--run-dir", str(run_dir), *SHORT, "grpo.max_num_steps=4", "grpo.val_period=2",
-            "checkpointing.save_period=2", "grpo.use_dynamic_sampling=true", "grpo.dynamic_sampling_max_gen_batches=4"]
+    args = [
+        "train",
+        "--run-dir",
+        str(run_dir),
+        *SHORT,
+        "grpo.max_num_steps=4",
+        "grpo.val_period=2",
+        "checkpointing.save_period=2",
+        "grpo.use_dynamic_sampling=true",
+        "grpo.dynamic_sampling_max_gen_batches=4",
+    ]
     result = run_grpo(*args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     rows = read_metrics(run_dir)
@@ -64,10 +77,29 @@ def test_short_run_with_dynamic_sampling_writes_metrics_plot_logs_and_checkpoint
     val = [r for r in rows if r["split"] == "val"]
     assert [r["step"] for r in train] == [1, 2, 3, 4]
     assert [r["step"] for r in val] == [2, 4]
-    for key in ("reward_mean", "accuracy", "loss", "kl_penalty", "grad_norm", "lr", "token_mult_prob_error",
-                "gen_kl_error", "policy_kl_error", "js_divergence_error", "sampling_importance_ratio",
-                "approx_entropy", "clip_fraction", "response_length", "tokens_per_s", "timing/generate_s",
-                "timing/reward_s", "timing/logprob_s", "timing/train_s", "timing/refit_s", "refit/max_abs_logprob_diff"):
+    for key in (
+        "reward_mean",
+        "accuracy",
+        "loss",
+        "kl_penalty",
+        "grad_norm",
+        "lr",
+        "token_mult_prob_error",
+        "gen_kl_error",
+        "policy_kl_error",
+        "js_divergence_error",
+        "sampling_importance_ratio",
+        "approx_entropy",
+        "clip_fraction",
+        "response_length",
+        "tokens_per_s",
+        "timing/generate_s",
+        "timing/reward_s",
+        "timing/logprob_s",
+        "timing/train_s",
+        "timing/refit_s",
+        "refit/max_abs_logprob_diff",
+    ):
         assert key in train[0], key
     # The refit check passed every step: trainer and vLLM agree on the new weights.
     assert all(r["refit/max_abs_logprob_diff"] < 1e-3 for r in train)
@@ -80,7 +112,10 @@ def test_short_run_with_dynamic_sampling_writes_metrics_plot_logs_and_checkpoint
         if r["dynamic_sampling/groups_short"] == 0:
             assert r["groups_with_signal"] == 1.0  # every kept group has reward spread
     assert (run_dir / "plots" / "training.png").stat().st_size > 10_000
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_")) == ["step_2", "step_4"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_")) == [
+        "step_2",
+        "step_4",
+    ]
     assert list((run_dir / "tensorboard").rglob("events.out.tfevents.*"))
     assert list((run_dir / "wandb").rglob("*.wandb"))
     for word in ("plot:", "metrics:", "checkpoints:"):
@@ -113,34 +148,64 @@ def test_kill_and_resume_gives_bitwise_equal_weights_and_metrics(tmp_path):
     a refit check that passed (a failing check stops the run)."""
     from safetensors.torch import load_file
 
-    common = [*SHORT, "grpo.max_num_steps=4", "grpo.val_period=0", "grpo.val_at_end=false",
-              "checkpointing.save_period=2", "checkpointing.keep_top_k=null", "logger.wandb_enabled=false",
-              "logger.tensorboard_enabled=false", "logger.plot_enabled=false",
-              "policy.precision=bfloat16", "policy.generation.vllm_cfg.precision=bfloat16",
-              "policy.dtensor_cfg.lora_cfg.enabled=true", "policy.optimizer.kwargs.lr=1e-4", *MULTI_TURN]
+    common = [
+        *SHORT,
+        "grpo.max_num_steps=4",
+        "grpo.val_period=0",
+        "grpo.val_at_end=false",
+        "checkpointing.save_period=2",
+        "checkpointing.keep_top_k=null",
+        "logger.wandb_enabled=false",
+        "logger.tensorboard_enabled=false",
+        "logger.plot_enabled=false",
+        "policy.precision=bfloat16",
+        "policy.generation.vllm_cfg.precision=bfloat16",
+        "policy.dtensor_cfg.lora_cfg.enabled=true",
+        "policy.optimizer.kwargs.lr=1e-4",
+        *MULTI_TURN,
+    ]
     # The uninterrupted run and the one to be killed start side by side (start-up is mostly waiting).
     straight = tmp_path / "straight"
-    uninterrupted = subprocess.Popen(grpo_cmd("train", "--run-dir", str(straight), *common), cwd=tmp_path,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    uninterrupted = subprocess.Popen(
+        grpo_cmd("train", "--run-dir", str(straight), *common),
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
     # Same run, killed with SIGKILL once the step-2 checkpoint exists, then restarted.
     resumed = tmp_path / "resumed"
     with open(tmp_path / "killed.log", "w") as log:
-        proc = subprocess.Popen(grpo_cmd("train", "--run-dir", str(resumed), *common), cwd=tmp_path,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            grpo_cmd("train", "--run-dir", str(resumed), *common),
+            cwd=tmp_path,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     deadline = time.time() + 600
     while not (resumed / "checkpoints" / "step_2" / "trainer_state.json").exists():
-        assert proc.poll() is None, ("the run ended before its step-2 checkpoint",
-                                     (tmp_path / "killed.log").read_text()[-4000:])
+        assert proc.poll() is None, (
+            "the run ended before its step-2 checkpoint",
+            (tmp_path / "killed.log").read_text()[-4000:],
+        )
         assert time.time() < deadline
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (resumed / "checkpoints" / "step_4").exists()
     # The resumed run starts up while the uninterrupted one finishes its last steps.
-    resume = subprocess.Popen(grpo_cmd("train", "--run-dir", str(resumed), *common), cwd=tmp_path,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    resume = subprocess.Popen(
+        grpo_cmd("train", "--run-dir", str(resumed), *common),
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         _, err = uninterrupted.communicate(timeout=600)
         assert uninterrupted.returncode == 0, err[-4000:]
@@ -154,8 +219,11 @@ def test_kill_and_resume_gives_bitwise_equal_weights_and_metrics(tmp_path):
                 run.wait()
 
     # The merged bf16 export, the adapters' fp32 masters and the PEFT adapters (saved in fp32).
-    for weights, dtype in (("model/*.safetensors", "bfloat16"), ("master_weights.safetensors", "float32"),
-                           ("adapter/*.safetensors", "float32")):
+    for weights, dtype in (
+        ("model/*.safetensors", "bfloat16"),
+        ("master_weights.safetensors", "float32"),
+        ("adapter/*.safetensors", "float32"),
+    ):
         a = load_file(next((straight / "checkpoints" / "step_4" / "policy").glob(weights)))
         b = load_file(next((resumed / "checkpoints" / "step_4" / "policy").glob(weights)))
         assert a.keys() == b.keys() and a
@@ -182,8 +250,14 @@ def test_missing_local_model_fails_at_startup_with_one_line(tmp_path):
 
 def test_hub_model_without_network_says_what_to_set(tmp_path):
     env_cmd = ["train", "policy.model_name=someone/not-a-cached-model"]
-    result = subprocess.run(grpo_cmd(*env_cmd), capture_output=True, text=True, cwd=tmp_path, timeout=120,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    result = subprocess.run(
+        grpo_cmd(*env_cmd),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert "set policy.model_name=/path/to/local/copy" in result.stderr
@@ -193,7 +267,10 @@ def test_hub_model_without_network_says_what_to_set(tmp_path):
     "override, words",
     [
         ("grpo.async_grpo.enabled=true", "grpo.async_grpo requires loss_fn.use_importance_sampling_correction: true"),
-        ("grpo.async_grpo.enabled=true policy.generation.backend=hf", "grpo.async_grpo needs policy.generation.backend: vllm"),
+        (
+            "grpo.async_grpo.enabled=true policy.generation.backend=hf",
+            "grpo.async_grpo needs policy.generation.backend: vllm",
+        ),
         ("policy.generation.weight_transport=ipc", "policy.generation.weight_transport: 'ipc' needs GPUs"),
         ("policy.num_workers=3", "must be a multiple of policy.num_workers (3)"),
     ],
@@ -213,14 +290,29 @@ def test_bf16_mixed_precision_demo_learns_as_fp32(tmp_path):
     default limits) passes every step; the checkpoint exports bf16 and keeps fp32 masters."""
     from safetensors.torch import load_file
 
-    common = [*SHORT, "grpo.max_num_steps=10", "grpo.val_period=10", "grpo.val_at_start=true",
-              "grpo.max_val_samples=128", "checkpointing.save_period=10", "logger.wandb_enabled=false",
-              "logger.tensorboard_enabled=false", "logger.plot_enabled=false"]
+    common = [
+        *SHORT,
+        "grpo.max_num_steps=10",
+        "grpo.val_period=10",
+        "grpo.val_at_start=true",
+        "grpo.max_val_samples=128",
+        "checkpointing.save_period=10",
+        "logger.wandb_enabled=false",
+        "logger.tensorboard_enabled=false",
+        "logger.plot_enabled=false",
+    ]
     bf16 = ["policy.precision=bfloat16", "policy.generation.vllm_cfg.precision=bfloat16"]
     runs = {name: tmp_path / name for name in ("fp32", "bf16")}
-    procs = {name: subprocess.Popen(grpo_cmd("train", "--run-dir", str(run), *common, *(bf16 if name == "bf16" else [])),
-                                    cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-             for name, run in runs.items()}
+    procs = {
+        name: subprocess.Popen(
+            grpo_cmd("train", "--run-dir", str(run), *common, *(bf16 if name == "bf16" else [])),
+            cwd=tmp_path,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, run in runs.items()
+    }
     for name, proc in procs.items():
         _, err = proc.communicate(timeout=900)
         assert proc.returncode == 0, (name, err[-4000:])
@@ -236,7 +328,9 @@ def test_bf16_mixed_precision_demo_learns_as_fp32(tmp_path):
     assert acc["bf16"][1] - acc["bf16"][0] > 0.1, acc
     assert abs(acc["bf16"][1] - acc["fp32"][1]) <= 0.06, acc
     ckpt = runs["bf16"] / "checkpoints" / "step_10" / "policy"
-    assert {t.dtype for t in load_file(next((ckpt / "model").glob("*.safetensors"))).values()} == {torch_dtype("bfloat16")}
+    assert {t.dtype for t in load_file(next((ckpt / "model").glob("*.safetensors"))).values()} == {
+        torch_dtype("bfloat16")
+    }
     assert (ckpt / "master_weights.safetensors").is_file()
 
 

@@ -17,9 +17,18 @@ from pathlib import Path
 import pytest
 
 COMMON = [
-    "--config", "ppo_arith_tiny.yaml", "grpo.max_num_steps=6", "grpo.val_period=0", "grpo.val_at_start=true",
-    "grpo.val_at_end=true", "grpo.max_val_samples=64", "checkpointing.save_period=3", "checkpointing.keep_top_k=null",
-    "logger.wandb_enabled=false", "logger.tensorboard_enabled=false", "logger.plot_enabled=false",
+    "--config",
+    "ppo_arith_tiny.yaml",
+    "grpo.max_num_steps=6",
+    "grpo.val_period=0",
+    "grpo.val_at_start=true",
+    "grpo.val_at_end=true",
+    "grpo.max_val_samples=64",
+    "checkpointing.save_period=3",
+    "checkpointing.keep_top_k=null",
+    "logger.wandb_enabled=false",
+    "logger.tensorboard_enabled=false",
+    "logger.plot_enabled=false",
 ]
 NONDETERMINISTIC = ("timing/", "tokens_per_s")
 
@@ -56,8 +65,9 @@ def runs(tmp_path_factory) -> tuple[Path, Path, tuple[int, str]]:
 
     def start_victim() -> subprocess.Popen:
         with open(root / "killed.log", "w") as log:
-            return subprocess.Popen(grpo_cmd(killed), cwd=root, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True, env=env)
+            return subprocess.Popen(
+                grpo_cmd(killed), cwd=root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+            )
 
     victim = start_victim()
     resume = None
@@ -69,8 +79,15 @@ def runs(tmp_path_factory) -> tuple[Path, Path, tuple[int, str]]:
             except AssertionError as exc:
                 raise AssertionError((root / "killed.log").read_text()[-4000:]) from exc
             assert not (killed / "checkpoints" / "step_6").exists()
-            resume = subprocess.Popen(grpo_cmd(killed), cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                      text=True, start_new_session=True, env=env)
+            resume = subprocess.Popen(
+                grpo_cmd(killed),
+                cwd=root,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+                env=env,
+            )
             assert full.wait(timeout=600) == 0, (root / "straight.log").read_text()[-4000:]
             _, err = resume.communicate(timeout=600)
     finally:
@@ -93,8 +110,17 @@ def test_ppo_value_loss_falls_and_held_out_accuracy_rises(straight_run):
     val = [r for r in rows if r["split"] == "val"]
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
     assert [r["step"] for r in val] == [0, 6]
-    for key in ("value_loss", "value_clip_fraction", "value_grad_norm", "value_explained_variance", "returns_mean",
-                "values_mean", "advantage_abs_mean", "reward_mean", "timing/values_s"):
+    for key in (
+        "value_loss",
+        "value_clip_fraction",
+        "value_grad_norm",
+        "value_explained_variance",
+        "returns_mean",
+        "values_mean",
+        "advantage_abs_mean",
+        "reward_mean",
+        "timing/values_s",
+    ):
         assert key in train[0], key
     # Step 1 trains the critic alone (policy_training_start_step: 2): no policy loss, no refit.
     assert [r["policy_trained"] for r in train] == [0.0, 1.0, 1.0, 1.0, 1.0, 1.0]
@@ -107,7 +133,9 @@ def test_ppo_value_loss_falls_and_held_out_accuracy_rises(straight_run):
     assert max(losses[3:]) < 0.6 * losses[0], losses
     assert val[-1]["accuracy"] > val[0]["accuracy"] + 0.05, [v["accuracy"] for v in val]
     value_dir = straight_run / "checkpoints" / "step_6" / "value"
-    assert (value_dir / "model" / "value_head.safetensors").is_file() and (value_dir / "optimizer.safetensors").is_file()
+    assert (value_dir / "model" / "value_head.safetensors").is_file() and (
+        value_dir / "optimizer.safetensors"
+    ).is_file()
 
 
 @pytest.mark.slow
@@ -132,7 +160,9 @@ def test_ppo_kill_and_resume_gives_bitwise_equal_policy_value_and_metrics(runs):
 
 
 def grpo_config(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "grpo_cli.main", "config", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "grpo_cli.main", "config", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_builtin_ppo_configs_are_listed_and_valid():
@@ -143,15 +173,32 @@ def test_builtin_ppo_configs_are_listed_and_valid():
         assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.parametrize(("config", "override", "message"), [
-    ("ppo_math_1B.yaml", "ppo.adv_estimator.name=rloo", "ppo.adv_estimator.name: 'rloo' is group-relative; use GRPO"),
-    ("grpo_math_1B.yaml", "+value.precision=float32", "value: only PPO has a value model; add a `ppo:` section"),
-    ("ppo_arith_tiny.yaml", "value.train_global_batch_size=96", "must be a multiple of value.train_global_batch_size (96)"),
-    ("ppo_math_1B.yaml", "loss_fn.use_kl_in_reward=true", "loss_fn.use_kl_in_reward: the in-reward KL coefficient is "
-     "loss_fn.reference_policy_kl_penalty, which is 0"),
-    ("ppo_arith_tiny.yaml", "grpo.use_dynamic_sampling=true grpo.num_generations_per_prompt=1",
-     "needs grpo.num_generations_per_prompt >= 2"),
-])
+@pytest.mark.parametrize(
+    ("config", "override", "message"),
+    [
+        (
+            "ppo_math_1B.yaml",
+            "ppo.adv_estimator.name=rloo",
+            "ppo.adv_estimator.name: 'rloo' is group-relative; use GRPO",
+        ),
+        ("grpo_math_1B.yaml", "+value.precision=float32", "value: only PPO has a value model; add a `ppo:` section"),
+        (
+            "ppo_arith_tiny.yaml",
+            "value.train_global_batch_size=96",
+            "must be a multiple of value.train_global_batch_size (96)",
+        ),
+        (
+            "ppo_math_1B.yaml",
+            "loss_fn.use_kl_in_reward=true",
+            "loss_fn.use_kl_in_reward: the in-reward KL coefficient is loss_fn.reference_policy_kl_penalty, which is 0",
+        ),
+        (
+            "ppo_arith_tiny.yaml",
+            "grpo.use_dynamic_sampling=true grpo.num_generations_per_prompt=1",
+            "needs grpo.num_generations_per_prompt >= 2",
+        ),
+    ],
+)
 def test_bad_ppo_configs_name_the_key(config, override, message):
     result = grpo_config("validate", config, *override.split())
     assert result.returncode == 2 and message in result.stderr, result.stderr

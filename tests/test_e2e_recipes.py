@@ -42,8 +42,9 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def test_method_recipe_raises_held_out_accuracy(name, tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "grpo_cli.main", "train", "--config", name, "--run-dir", str(run_dir), *SHORT]
-    result = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True,
-                            text=True, timeout=600)
+    result = subprocess.run(
+        cmd, cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     rows = read_metrics(run_dir)
     train = [r for r in rows if r["split"] == "train"]

@@ -55,8 +55,21 @@ def test_grpo_envs_wheel_installs_and_runs_alone(tmp_path):
     dist = tmp_path / "dist"
     _run([*uv, "build", "--package", "grpo-envs", "--wheel", "-o", str(dist)], cwd=ROOT)
     (wheel,) = dist.glob("grpo_envs-*.whl")
-    pins = _run([*uv, "export", "--frozen", "--package", "grpo-envs", "--no-dev", "--no-emit-workspace",
-                 "--no-hashes", "--no-header", "--no-annotate"], cwd=ROOT).stdout
+    pins = _run(
+        [
+            *uv,
+            "export",
+            "--frozen",
+            "--package",
+            "grpo-envs",
+            "--no-dev",
+            "--no-emit-workspace",
+            "--no-hashes",
+            "--no-header",
+            "--no-annotate",
+        ],
+        cwd=ROOT,
+    ).stdout
     constraints = tmp_path / "constraints.txt"
     constraints.write_text(pins)
 

@@ -37,8 +37,10 @@ def test_kernels_wheel_installs_alone_with_pip(tmp_path):
     env = {**os.environ, "PIP_FIND_LINKS": str(links)}
     # torch (the one heavy dependency, ~800 MB) comes from uv's cache in seconds; pip then
     # installs the grpo-kernels wheel itself and checks its requirements against what is there.
-    run([*uv_cmd(), "pip", "install", "-q", "--python", str(py), "--find-links", str(links),
-         "torch==2.13.0+cpu"], env=env)
+    run(
+        [*uv_cmd(), "pip", "install", "-q", "--python", str(py), "--find-links", str(links), "torch==2.13.0+cpu"],
+        env=env,
+    )
     run([str(py), "-m", "pip", "install", "-q", str(wheel)], env=env)
     code = (
         "import grpo_kernels, grpo_kernels._C as C, numpy as np;"

@@ -29,20 +29,52 @@ TRAIN_SRC = ROOT / "packages" / "grpo-train" / "src"
 # Lowest first. A module belongs to the layer of its longest matching prefix.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("grpo_train.errors", "grpo_train.config", "grpo_train.assets")),
-    ("shared", (
-        "grpo_train.batch", "grpo_train.model_families", "grpo_train.state_io", "grpo_train.placement",
-        "grpo_train.deadline", "grpo_train.loggers", "grpo_train.plotting", "grpo_train.resume_config",
-        "grpo_train.advantages", "grpo_train.group_estimators", "grpo_train.plan", "grpo_train.actor_group",
-        "grpo_train.checkpoint", "grpo_train.replay_buffer",
-    )),
-    ("components", (
-        "grpo_train.rollout", "grpo_train.policy", "grpo_train.generation", "grpo_train.validation",
-        "grpo_train.refit", "grpo_train.ppo.value_group",
-        "grpo_train.ppo.value_worker", "grpo_train.ppo.value_loss", "grpo_train.ppo.gae",
-        "grpo_train.ppo.estimators",
-    )),
-    ("batch", ("grpo_train.train_step", "grpo_train.run_state", "grpo_train.setup", "grpo_train.ppo.ppo_step",
-               "grpo_train.config.checks", "grpo_train.engine_faults", "grpo_train.colocation")),
+    (
+        "shared",
+        (
+            "grpo_train.batch",
+            "grpo_train.model_families",
+            "grpo_train.state_io",
+            "grpo_train.placement",
+            "grpo_train.deadline",
+            "grpo_train.loggers",
+            "grpo_train.plotting",
+            "grpo_train.resume_config",
+            "grpo_train.advantages",
+            "grpo_train.group_estimators",
+            "grpo_train.plan",
+            "grpo_train.actor_group",
+            "grpo_train.checkpoint",
+            "grpo_train.replay_buffer",
+        ),
+    ),
+    (
+        "components",
+        (
+            "grpo_train.rollout",
+            "grpo_train.policy",
+            "grpo_train.generation",
+            "grpo_train.validation",
+            "grpo_train.refit",
+            "grpo_train.ppo.value_group",
+            "grpo_train.ppo.value_worker",
+            "grpo_train.ppo.value_loss",
+            "grpo_train.ppo.gae",
+            "grpo_train.ppo.estimators",
+        ),
+    ),
+    (
+        "batch",
+        (
+            "grpo_train.train_step",
+            "grpo_train.run_state",
+            "grpo_train.setup",
+            "grpo_train.ppo.ppo_step",
+            "grpo_train.config.checks",
+            "grpo_train.engine_faults",
+            "grpo_train.colocation",
+        ),
+    ),
     ("step", ("grpo_train.step",)),
     ("async parts", ("grpo_train.collector",)),
     ("loops", ("grpo_train.sync_loop", "grpo_train.async_loop", "grpo_train.ppo.ppo_loop")),
@@ -70,7 +102,8 @@ def module_name(src: Path, path: Path) -> str:
 def _is_type_checking(node: ast.If) -> bool:
     test = node.test
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def imports_of(src: Path, package: str) -> list[Import]:
@@ -127,8 +160,9 @@ def upward_imports(imports: list[Import], layers, neutral=frozenset(), closed=fr
         if src is None or dst is None:
             bad.append(f"{imp.source if src is None else imp.target}: in no layer (add it to LAYERS)")
         elif dst > src or (dst == src and names[src] in closed):
-            bad.append(f"{imp.source} ({names[src]}) imports {imp.target} ({names[dst]}) at line {imp.line} "
-                       f"[{imp.where}]")
+            bad.append(
+                f"{imp.source} ({names[src]}) imports {imp.target} ({names[dst]}) at line {imp.line} [{imp.where}]"
+            )
     return sorted(set(bad))
 
 
@@ -187,8 +221,11 @@ def test_every_grpo_train_module_has_a_layer():
 
 
 # ---------------------------------------------------------------- the checks see a deliberate one
-SYNTHETIC_LAYERS = [("base", ("pkg.errors",)), ("components", ("pkg.rollout", "pkg.policy")),
-                    ("loops", ("pkg.loop", "pkg.other_loop"))]
+SYNTHETIC_LAYERS = [
+    ("base", ("pkg.errors",)),
+    ("components", ("pkg.rollout", "pkg.policy")),
+    ("loops", ("pkg.loop", "pkg.other_loop")),
+]
 
 
 def synthetic_tree(tmp_path: Path, files: dict[str, str]) -> Path:
@@ -210,8 +247,13 @@ CLEAN = {
 def test_clean_synthetic_tree_passes(tmp_path):
     imports = imports_of(synthetic_tree(tmp_path, CLEAN), "pkg")
     assert {(i.source, i.target) for i in imports} == {
-        ("pkg.rollout", "pkg.rollout.multi"), ("pkg.rollout", "pkg.errors"), ("pkg.rollout.multi", "pkg.errors"),
-        ("pkg.policy", "pkg.errors"), ("pkg.loop", "pkg.rollout"), ("pkg.loop", "pkg.policy")}
+        ("pkg.rollout", "pkg.rollout.multi"),
+        ("pkg.rollout", "pkg.errors"),
+        ("pkg.rollout.multi", "pkg.errors"),
+        ("pkg.policy", "pkg.errors"),
+        ("pkg.loop", "pkg.rollout"),
+        ("pkg.loop", "pkg.policy"),
+    }
     assert cycles(imports) == []
     assert upward_imports(imports, SYNTHETIC_LAYERS, closed={"loops"}) == []
 
@@ -222,28 +264,44 @@ def test_a_loop_importing_a_loop_is_found(tmp_path):
     imports = imports_of(tree, "pkg")
     assert upward_imports(imports, SYNTHETIC_LAYERS) == []  # an open layer allows it
     assert upward_imports(imports, SYNTHETIC_LAYERS, closed={"loops"}) == [
-        "pkg.other_loop (loops) imports pkg.loop (loops) at line 1 [top]"]
+        "pkg.other_loop (loops) imports pkg.loop (loops) at line 1 [top]"
+    ]
 
 
 def test_a_function_level_cycle_is_found(tmp_path):
     # the old rollout <-> multi_turn shape: the dispatcher imports back inside a function
-    tree = synthetic_tree(tmp_path, {**CLEAN, "pkg/rollout/multi.py": (
-        "from pkg.errors import E\n\ndef again():\n    from pkg.rollout import dispatch\n")})
+    tree = synthetic_tree(
+        tmp_path,
+        {
+            **CLEAN,
+            "pkg/rollout/multi.py": (
+                "from pkg.errors import E\n\ndef again():\n    from pkg.rollout import dispatch\n"
+            ),
+        },
+    )
     assert cycles(imports_of(tree, "pkg")) == [["pkg.rollout", "pkg.rollout.multi"]]
 
 
 def test_an_upward_import_is_found(tmp_path):
     # the old policy/group -> setup shape: a component reaching up for an error type
-    tree = synthetic_tree(tmp_path, {**CLEAN, "pkg/policy.py": (
-        "import os\n\ndef place():\n    from pkg.loop import StartupError\n")})
+    tree = synthetic_tree(
+        tmp_path, {**CLEAN, "pkg/policy.py": ("import os\n\ndef place():\n    from pkg.loop import StartupError\n")}
+    )
     imports = imports_of(tree, "pkg")
     assert upward_imports(imports, SYNTHETIC_LAYERS) == [
-        "pkg.policy (components) imports pkg.loop (loops) at line 4 [function]"]
+        "pkg.policy (components) imports pkg.loop (loops) at line 4 [function]"
+    ]
     assert cycles(imports) == [["pkg.loop", "pkg.policy"]]
 
 
 def test_type_checking_imports_count(tmp_path):
-    tree = synthetic_tree(tmp_path, {**CLEAN, "pkg/errors.py": (
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.policy import P\n")})
+    tree = synthetic_tree(
+        tmp_path,
+        {
+            **CLEAN,
+            "pkg/errors.py": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.policy import P\n"),
+        },
+    )
     assert upward_imports(imports_of(tree, "pkg"), SYNTHETIC_LAYERS) == [
-        "pkg.errors (base) imports pkg.policy (components) at line 3 [type-checking]"]
+        "pkg.errors (base) imports pkg.policy (components) at line 3 [type-checking]"
+    ]

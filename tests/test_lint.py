@@ -1,6 +1,7 @@
 """Lint and type check as part of `make test`, so CI enforces them.
 
-ruff runs the rule set of the root pyproject.toml over the whole repository; basedpyright runs
+ruff runs the rule set of the root pyproject.toml over the whole repository and checks that
+`ruff format` would change nothing; basedpyright runs
 in "basic" mode over the five packages' src. Type errors that existed when the checker came in
 are recorded in .basedpyright/baseline.json (regenerate with `basedpyright --writebaseline`
 after fixing some); any new one fails here, and fewer than recorded passes. The check reads a copy
@@ -26,6 +27,11 @@ def run(*cmd: str) -> subprocess.CompletedProcess:
 
 def test_ruff_check_is_clean():
     out = run(str(BIN / "ruff"), "check", "--no-cache", ".")
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_ruff_format_leaves_the_tree_as_it_is():
+    out = run(str(BIN / "ruff"), "format", "--check", "--no-cache", ".")
     assert out.returncode == 0, out.stdout + out.stderr
 
 

@@ -59,8 +59,13 @@ def free_port() -> int:
 
 def start_node(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     with open(log, "w") as out:
-        return subprocess.Popen([RAY, "start", "--block", "--disable-usage-stats", *args], env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            [RAY, "start", "--block", "--disable-usage-stats", *args],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def stop_nodes(procs: list[subprocess.Popen]) -> None:
@@ -81,7 +86,8 @@ def wait_for_nodes(logs: list[Path], procs: list[subprocess.Popen]) -> None:
     deadline = time.monotonic() + NODE_START_TIMEOUT_S
     while time.monotonic() < deadline:
         assert all(p.poll() is None for p in procs), "a `ray start` process ended early: " + " / ".join(
-            log.read_text()[-2000:] for log in logs)
+            log.read_text()[-2000:] for log in logs
+        )
         if all(log.exists() and "Ray runtime started" in log.read_text() for log in logs):
             return
         time.sleep(0.5)
@@ -103,11 +109,26 @@ def two_node_cluster(tmp_path):
     # A local simulation: no token to share between the two nodes (see README for real clusters).
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
     env.pop("RAY_ADDRESS", None)
-    procs = [start_node(["--head", f"--port={port}", "--num-cpus=2", '--resources={"grpo_node_a": 1}',
-                         "--include-dashboard=false", f"--temp-dir={ray_dir}"], env, tmp_path / "head.log")]
+    procs = [
+        start_node(
+            [
+                "--head",
+                f"--port={port}",
+                "--num-cpus=2",
+                '--resources={"grpo_node_a": 1}',
+                "--include-dashboard=false",
+                f"--temp-dir={ray_dir}",
+            ],
+            env,
+            tmp_path / "head.log",
+        )
+    ]
     try:
-        procs.append(start_node([f"--address={address}", "--num-cpus=2", '--resources={"grpo_node_b": 1}'],
-                                env, tmp_path / "worker.log"))
+        procs.append(
+            start_node(
+                [f"--address={address}", "--num-cpus=2", '--resources={"grpo_node_b": 1}'], env, tmp_path / "worker.log"
+            )
+        )
         wait_for_nodes([tmp_path / "head.log", tmp_path / "worker.log"], procs)
         yield address, env
     finally:
@@ -120,8 +141,9 @@ def test_policy_ranks_are_placed_on_both_nodes(two_node_cluster):
 
     address, env = two_node_cluster
     model = str(builtin_model_path("arith-tiny"))
-    result = subprocess.run([sys.executable, "-c", DRIVER, address, model], env=env, capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", DRIVER, address, model], env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["nodes"] == 2

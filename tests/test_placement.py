@@ -26,7 +26,12 @@ import pytest
 _spec = importlib.util.spec_from_file_location("grpo_multinode_helpers", Path(__file__).with_name("test_multinode.py"))
 _nodes = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_nodes)
-free_port, start_node, stop_nodes, wait_for_nodes = _nodes.free_port, _nodes.start_node, _nodes.stop_nodes, _nodes.wait_for_nodes
+free_port, start_node, stop_nodes, wait_for_nodes = (
+    _nodes.free_port,
+    _nodes.start_node,
+    _nodes.stop_nodes,
+    _nodes.wait_for_nodes,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -37,22 +42,35 @@ CASES = {
     },
     "grpo_separate": {
         "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 4},
-        "policy": {"num_workers": 4, "train_global_batch_size": 8, "train_micro_batch_size": 2,
-                   "generation": {"colocated": {"enabled": False, "resources": {"gpus_per_node": 4, "num_nodes": 1}},
-                                  "vllm_cfg": {"tensor_parallel_size": 2}}},
+        "policy": {
+            "num_workers": 4,
+            "train_global_batch_size": 8,
+            "train_micro_batch_size": 2,
+            "generation": {
+                "colocated": {"enabled": False, "resources": {"gpus_per_node": 4, "num_nodes": 1}},
+                "vllm_cfg": {"tensor_parallel_size": 2},
+            },
+        },
     },
     "grpo_async": {
         "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 4, "async_grpo": {"enabled": True}},
         "loss_fn": {"use_importance_sampling_correction": True},
-        "policy": {"num_workers": 4, "train_global_batch_size": 8, "train_micro_batch_size": 2,
-                   "generation": {"colocated": {"enabled": False, "resources": {"gpus_per_node": 2, "num_nodes": 1}},
-                                  "vllm_cfg": {"tensor_parallel_size": 2}}},
+        "policy": {
+            "num_workers": 4,
+            "train_global_batch_size": 8,
+            "train_micro_batch_size": 2,
+            "generation": {
+                "colocated": {"enabled": False, "resources": {"gpus_per_node": 2, "num_nodes": 1}},
+                "vllm_cfg": {"tensor_parallel_size": 2},
+            },
+        },
         "env": {"math": {"num_workers": 1}, "reward_model": {"num_workers": 1, "resources": {"GPU": 1}}},
     },
     "ppo_reward_model": {
         "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 2},
         "policy": {"num_workers": 2, "train_global_batch_size": 4, "train_micro_batch_size": 2},
-        "ppo": {}, "value": {"num_workers": 2},
+        "ppo": {},
+        "value": {"num_workers": 2},
         "env": {"reward_model": {"num_workers": 1, "resources": {"GPU": 1}}},
     },
 }
@@ -129,16 +147,38 @@ def placements(tmp_path_factory):
     address = f"{ray.util.get_node_ip_address()}:{port}"
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
     env.pop("RAY_ADDRESS", None)
-    procs = [start_node(["--head", f"--port={port}", "--num-cpus=8", "--num-gpus=4", '--resources={"grpo_node_a": 1}',
-                         "--include-dashboard=false", f"--temp-dir={ray_dir}"], env, logs / "head.log")]
+    procs = [
+        start_node(
+            [
+                "--head",
+                f"--port={port}",
+                "--num-cpus=8",
+                "--num-gpus=4",
+                '--resources={"grpo_node_a": 1}',
+                "--include-dashboard=false",
+                f"--temp-dir={ray_dir}",
+            ],
+            env,
+            logs / "head.log",
+        )
+    ]
     try:
-        procs.append(start_node([f"--address={address}", "--num-cpus=8", "--num-gpus=4",
-                                 '--resources={"grpo_node_b": 1}'], env, logs / "worker.log"))
+        procs.append(
+            start_node(
+                [f"--address={address}", "--num-cpus=8", "--num-gpus=4", '--resources={"grpo_node_b": 1}'],
+                env,
+                logs / "worker.log",
+            )
+        )
         wait_for_nodes([logs / "head.log", logs / "worker.log"], procs)
         model = str(builtin_model_path("arith-tiny"))
-        result = subprocess.run([sys.executable, "-c", DRIVER, address, model, json.dumps(CASES),
-                                 one_node_dir], env=env,
-                                capture_output=True, text=True, timeout=500)
+        result = subprocess.run(
+            [sys.executable, "-c", DRIVER, address, model, json.dumps(CASES), one_node_dir],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=500,
+        )
         assert result.returncode == 0, result.stderr[-4000:]
         line = next(x for x in result.stdout.splitlines() if x.startswith("PLACEMENT "))
         yield json.loads(line.removeprefix("PLACEMENT "))
@@ -150,7 +190,9 @@ def placements(tmp_path_factory):
 
 def devices(where: dict) -> set[tuple[str, str]]:
     """The (node, GPU) pairs an actor sees, from the CUDA_VISIBLE_DEVICES Ray set for it."""
-    assert sorted(where["gpu_ids"]) == sorted((where["cuda_visible_devices"] or "").split(",") if where["gpu_ids"] else [])
+    assert sorted(where["gpu_ids"]) == sorted(
+        (where["cuda_visible_devices"] or "").split(",") if where["gpu_ids"] else []
+    )
     return {(where["node"], gpu) for gpu in where["gpu_ids"]}
 
 

@@ -28,13 +28,25 @@ BIG_MB = 512
 
 
 def demo_checkpoint(root: Path) -> Path:
-    cfg = PolicyConfig(precision="float32", train_global_batch_size=4, train_micro_batch_size=4,
-                       optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-3}})
-    worker = PolicyWorker(str(builtin_model_path("arith-tiny")), cfg, LossConfig(reference_policy_kl_penalty=0.0), seed=0)
+    cfg = PolicyConfig(
+        precision="float32",
+        train_global_batch_size=4,
+        train_micro_batch_size=4,
+        optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-3}},
+    )
+    worker = PolicyWorker(
+        str(builtin_model_path("arith-tiny")), cfg, LossConfig(reference_policy_kl_penalty=0.0), seed=0
+    )
     ids = torch.randint(3, 16, (4, 16))
     mask = torch.ones(4, 16)
-    batch = {"input_ids": ids, "attention_mask": mask.long(), "token_mask": mask, "gen_logprobs": -mask,
-             "advantages": mask, "sample_mask": torch.ones(4)}
+    batch = {
+        "input_ids": ids,
+        "attention_mask": mask.long(),
+        "token_mask": mask,
+        "gen_logprobs": -mask,
+        "advantages": mask,
+        "sample_mask": torch.ones(4),
+    }
     batch["prev_logprobs"] = worker.logprobs(batch)
     worker.train(batch)
     return CheckpointManager(root).save(1, lambda folder: worker.save(str(folder / "policy")), {"step": 1})

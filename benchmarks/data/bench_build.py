@@ -57,14 +57,22 @@ def main() -> None:
         with open(path, "w") as f:
             for text in ("1+2=", big, "3+4=", "5+6="):
                 f.write(json.dumps({"problem": text, "answer": "3"}) + "\n")
-        entry = DatasetEntry(dataset_name="ResponseDataset", data_path=str(path), input_key="problem",
-                             output_key="answer", processor="plain", max_input_seq_length=16)
+        entry = DatasetEntry(
+            dataset_name="ResponseDataset",
+            data_path=str(path),
+            input_key="problem",
+            output_key="answer",
+            processor="plain",
+            max_input_seq_length=16,
+        )
         wall, cpu, huge = timed(lambda: build_data(DataConfig(train=entry), tokenizer).train[0])
         rows.append(("build a 4-row JSONL with one 10 MB prompt", wall, cpu))
         wall, cpu, _ = timed(lambda: [huge[1] for _ in range(3)])
         rows.append(("draw the 10 MB prompt 3 times", wall, cpu))
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
     print(f"commit {commit}, load average {' / '.join(f'{x:.2f}' for x in os.getloadavg())}, {os.cpu_count()} cores\n")
     print("| stage | wall s | CPU s |\n|---|---:|---:|")
     for name, wall, cpu in rows:

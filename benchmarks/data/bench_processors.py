@@ -42,7 +42,9 @@ def cpu_model() -> str:
 
 def git_commit() -> str:
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--", "packages/grpo-data", "benchmarks/data"],
             cwd=ROOT, capture_output=True, text=True, check=True,
@@ -63,7 +65,9 @@ def timed(fn) -> tuple[tuple[float, float], object]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=100_000)
-    parser.add_argument("--tokenizer", default=None, help="local tokenizer folder (default: the char-level test tokenizer)")
+    parser.add_argument(
+        "--tokenizer", default=None, help="local tokenizer folder (default: the char-level test tokenizer)"
+    )
     parser.add_argument("--out", default=None, help="write the Markdown report here")
     args = parser.parse_args()
 
@@ -92,7 +96,10 @@ def main() -> None:
     def record(name: str, count: int, seconds: tuple[float, float]) -> None:
         wall, cpu = seconds
         results.append((name, count, wall, cpu))
-        print(f"{name:<60} {count / wall:>10,.0f} /s wall {count / cpu:>10,.0f} /s CPU  ({count:,} in {wall:.2f} s)", flush=True)
+        print(
+            f"{name:<60} {count / wall:>10,.0f} /s wall {count / cpu:>10,.0f} /s CPU  ({count:,} in {wall:.2f} s)",
+            flush=True,
+        )
 
     seconds, _ = timed(lambda: [rows[i] for i in range(n)])
     record("row generation (ArithmeticDataset)", n, seconds)
@@ -118,7 +125,9 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "rows.jsonl"
-        path.write_text("".join(json.dumps({"question": r["problem"], "answer": r["answer"]}) + "\n" for r in materialised))
+        path.write_text(
+            "".join(json.dumps({"question": r["problem"], "answer": r["answer"]}) + "\n" for r in materialised)
+        )
         seconds, ds = timed(lambda: ResponseDataset(path, input_key="question", output_key="answer"))
         record("ResponseDataset load from JSONL (read, validate, map)", len(ds), seconds)
 

@@ -20,16 +20,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _runs import grpo_train  # noqa: E402
 from bench_demo import ROOT, git_commit, machine  # noqa: E402
 
-QUIET = ["logger.wandb_enabled=false", "logger.tensorboard_enabled=false", "logger.plot_enabled=false",
-         "checkpointing.enabled=false", "grpo.val_period=0"]
+QUIET = [
+    "logger.wandb_enabled=false",
+    "logger.tensorboard_enabled=false",
+    "logger.plot_enabled=false",
+    "checkpointing.enabled=false",
+    "grpo.val_period=0",
+]
 ASYNC = ["--config", "grpo_arith_tiny_async.yaml"]
 IS = ["loss_fn.use_importance_sampling_correction=true"]  # the same loss in every variant
 VARIANTS = {
     "sync": IS,
     "async, max age 1": [*ASYNC, "grpo.async_grpo.max_trajectory_age_steps=1"],
     "async, max age 2": [*ASYNC, "grpo.async_grpo.max_trajectory_age_steps=2"],
-    "async, max age 1, in-flight updates": [*ASYNC, "grpo.async_grpo.max_trajectory_age_steps=1",
-                                            "grpo.async_grpo.in_flight_weight_updates=true"],
+    "async, max age 1, in-flight updates": [
+        *ASYNC,
+        "grpo.async_grpo.max_trajectory_age_steps=1",
+        "grpo.async_grpo.in_flight_weight_updates=true",
+    ],
 }
 
 
@@ -43,11 +51,18 @@ def run(name: str, overrides: list[str], steps: int) -> dict:
         values = [r[key] for r in train if key in r]
         return statistics.mean(values) if values else float("nan")
 
-    return {"name": name, "wall": wall, "step_median": statistics.median(step_s), "step_mean": statistics.mean(step_s),
-            "utilisation": gen_s / sum(step_s), "starvation": mean("async/trainer_starvation_s"),
-            "exposed": mean("async/exposed_generation_s"), "idle": mean("async/generation_idle_s"),
-            "age": mean("async/trajectory_age_mean"),
-            "val": f"{val[0]['accuracy']:.3f} -> {val[-1]['accuracy']:.3f}" if len(val) > 1 else "n/a"}
+    return {
+        "name": name,
+        "wall": wall,
+        "step_median": statistics.median(step_s),
+        "step_mean": statistics.mean(step_s),
+        "utilisation": gen_s / sum(step_s),
+        "starvation": mean("async/trainer_starvation_s"),
+        "exposed": mean("async/exposed_generation_s"),
+        "idle": mean("async/generation_idle_s"),
+        "age": mean("async/trajectory_age_mean"),
+        "val": f"{val[0]['accuracy']:.3f} -> {val[-1]['accuracy']:.3f}" if len(val) > 1 else "n/a",
+    }
 
 
 def main() -> int:
@@ -74,9 +89,11 @@ def main() -> int:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        lines.append(f"| {r['name']} | {r['step_median']:.3f} | {r['step_mean']:.3f} | {r['utilisation']:.0%} | "
-                     f"{r['starvation']:.3f} | {r['exposed']:.3f} | {r['idle']:.3f} | {r['age']:.2f} | {r['val']} | "
-                     f"{r['wall']:.0f} |")
+        lines.append(
+            f"| {r['name']} | {r['step_median']:.3f} | {r['step_mean']:.3f} | {r['utilisation']:.0%} | "
+            f"{r['starvation']:.3f} | {r['exposed']:.3f} | {r['idle']:.3f} | {r['age']:.2f} | {r['val']} | "
+            f"{r['wall']:.0f} |"
+        )
     lines += ["", "GPU figures: pending (no GPU in this session)."]
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -28,9 +28,16 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_demo import ROOT, git_commit, machine  # noqa: E402
 
-QUIET = ["logger.wandb_enabled=false", "logger.tensorboard_enabled=false", "logger.plot_enabled=false",
-         "checkpointing.enabled=false", "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=false",
-         "grpo.max_num_steps=2"]
+QUIET = [
+    "logger.wandb_enabled=false",
+    "logger.tensorboard_enabled=false",
+    "logger.plot_enabled=false",
+    "checkpointing.enabled=false",
+    "grpo.val_period=0",
+    "grpo.val_at_start=false",
+    "grpo.val_at_end=false",
+    "grpo.max_num_steps=2",
+]
 POLL_S = 0.25
 
 
@@ -45,8 +52,18 @@ def first_train_row(path: Path) -> dict | None:
 
 def launch(extra: list[str]) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix="grpo-bench-startup-")) / "run"
-    cmd = [sys.executable, "-m", "grpo_cli.main", "train", "--config", "grpo_arith_tiny_async.yaml",
-           "--run-dir", str(run_dir), *QUIET, *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "grpo_cli.main",
+        "train",
+        "--config",
+        "grpo_arith_tiny_async.yaml",
+        "--run-dir",
+        str(run_dir),
+        *QUIET,
+        *extra,
+    ]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     cpu = TreeCpu(proc.pid)
@@ -58,9 +75,13 @@ def launch(extra: list[str]) -> dict:
     _, err = proc.communicate()
     if proc.returncode != 0 or row is None:
         raise SystemExit(f"grpo train failed:\n{err[-4000:]}")
-    return {"first_step_s": first, "wait_s": row.get("timing/wait_for_groups_s", float("nan")),
-            "step_s": row.get("timing/step_s", float("nan")), "wall_s": time.perf_counter() - start,
-            "cpu_s": cpu.total()}
+    return {
+        "first_step_s": first,
+        "wait_s": row.get("timing/wait_for_groups_s", float("nan")),
+        "step_s": row.get("timing/step_s", float("nan")),
+        "wall_s": time.perf_counter() - start,
+        "cpu_s": cpu.total(),
+    }
 
 
 class TreeCpu:
@@ -95,17 +116,24 @@ def main() -> int:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     print(f"machine: {machine()}; commit {git_commit()}; load {os.getloadavg()[1]:.1f}")
-    print("| launch | time to first step s | step 1 waiting for groups s | step 1 s | process wall s | CPU s to first step (process tree) |")
+    print(
+        "| launch | time to first step s | step 1 waiting for groups s | step 1 s | process wall s | CPU s to first step (process tree) |"
+    )
     print("|---|---|---|---|---|---|")
     runs = []
     for i in range(args.repeats):
         r = launch(args.overrides)
         runs.append(r)
-        print(f"| {i + 1} | {r['first_step_s']:.1f} | {r['wait_s']:.1f} | {r['step_s']:.1f} | {r['wall_s']:.1f} | "
-              f"{r['cpu_s']:.0f} |", flush=True)
-    print(f"median time to first step {statistics.median(r['first_step_s'] for r in runs):.1f} s, "
-          f"median step-1 wait {statistics.median(r['wait_s'] for r in runs):.1f} s, "
-          f"median CPU {statistics.median(r['cpu_s'] for r in runs):.0f} s; load {os.getloadavg()[1]:.1f}")
+        print(
+            f"| {i + 1} | {r['first_step_s']:.1f} | {r['wait_s']:.1f} | {r['step_s']:.1f} | {r['wall_s']:.1f} | "
+            f"{r['cpu_s']:.0f} |",
+            flush=True,
+        )
+    print(
+        f"median time to first step {statistics.median(r['first_step_s'] for r in runs):.1f} s, "
+        f"median step-1 wait {statistics.median(r['wait_s'] for r in runs):.1f} s, "
+        f"median CPU {statistics.median(r['cpu_s'] for r in runs):.0f} s; load {os.getloadavg()[1]:.1f}"
+    )
     return 0
 
 

@@ -37,7 +37,9 @@ def machine() -> str:
 
 def git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+        ).stdout.strip()
     except OSError:
         return "unknown"
 
@@ -71,7 +73,9 @@ def main() -> int:
         f"- commit: {git_commit()}; command: `{' '.join(['grpo', 'train', *args.overrides])}`",
         f"- total wall time (process start to exit, incl. Ray, vLLM and validation): **{wall:.0f} s** for {len(train)} steps",
         f"- held-out greedy accuracy: **{val[0]['accuracy']:.3f} -> {val[-1]['accuracy']:.3f}** "
-        f"(steps {val[0]['step']} -> {val[-1]['step']}; {len(val)} validations)" if val else "- no validation rows",
+        f"(steps {val[0]['step']} -> {val[-1]['step']}; {len(val)} validations)"
+        if val
+        else "- no validation rows",
         f"- train reward: {train[0]['reward_mean']:.3f} (step 1) -> {train[-1]['reward_mean']:.3f} (step {train[-1]['step']})",
         "",
         "Median per step (steps 2..N):",

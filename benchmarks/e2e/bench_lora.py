@@ -17,17 +17,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _runs import grpo_train  # noqa: E402
 from bench_demo import ROOT, git_commit, machine  # noqa: E402
 
-CONFIGS = {"full fine-tuning": "grpo_arith_tiny.yaml", "LoRA (dim 8, alpha 32, merged refit)": "grpo_arith_tiny_lora.yaml"}
+CONFIGS = {
+    "full fine-tuning": "grpo_arith_tiny.yaml",
+    "LoRA (dim 8, alpha 32, merged refit)": "grpo_arith_tiny_lora.yaml",
+}
 
 
 def run(config: str, steps: int) -> dict:
-    overrides = [f"grpo.max_num_steps={steps}", f"grpo.val_period={steps}", "grpo.max_val_samples=128",
-                 "checkpointing.enabled=false", "logger.wandb_enabled=false", "logger.tensorboard_enabled=false",
-                 "logger.plot_enabled=false"]
+    overrides = [
+        f"grpo.max_num_steps={steps}",
+        f"grpo.val_period={steps}",
+        "grpo.max_val_samples=128",
+        "checkpointing.enabled=false",
+        "logger.wandb_enabled=false",
+        "logger.tensorboard_enabled=false",
+        "logger.plot_enabled=false",
+    ]
     load_before = os.getloadavg()[0]
     res = grpo_train(config, ["-c", config, *overrides], prefix="grpo-lora-bench-")
-    return {"val": res.val, "wall": res.wall, "load": (load_before, os.getloadavg()[0]),
-            "train_s": sum(r.get("timing/train", 0.0) for r in res.train) / max(len(res.train), 1)}
+    return {
+        "val": res.val,
+        "wall": res.wall,
+        "load": (load_before, os.getloadavg()[0]),
+        "train_s": sum(r.get("timing/train", 0.0) for r in res.train) / max(len(res.train), 1),
+    }
 
 
 def main() -> int:
@@ -49,8 +62,10 @@ def main() -> int:
     ]
     for (label, config), res in zip(CONFIGS.items(), results.values()):
         val = res["val"]
-        lines.append(f"| {label} | `{config}` | {val[0]['accuracy']:.3f} | {val[-1]['accuracy']:.3f} (step {val[-1]['step']}) "
-                     f"| {res['wall']:.0f} s | {res['load'][0]:.1f} / {res['load'][1]:.1f} |")
+        lines.append(
+            f"| {label} | `{config}` | {val[0]['accuracy']:.3f} | {val[-1]['accuracy']:.3f} (step {val[-1]['step']}) "
+            f"| {res['wall']:.0f} s | {res['load'][0]:.1f} / {res['load'][1]:.1f} |"
+        )
     lines += ["", "Single runs, one seed each."]
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

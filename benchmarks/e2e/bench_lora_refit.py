@@ -32,9 +32,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_demo import ROOT, git_commit, machine  # noqa: E402
 
-MODEL = dict(hidden_size=640, intermediate_size=1792, num_hidden_layers=10, num_attention_heads=10,
-             num_key_value_heads=10, head_dim=64, vocab_size=32000, max_position_embeddings=512,
-             tie_word_embeddings=True, torch_dtype="float32")
+MODEL = dict(
+    hidden_size=640,
+    intermediate_size=1792,
+    num_hidden_layers=10,
+    num_attention_heads=10,
+    num_key_value_heads=10,
+    head_dim=64,
+    vocab_size=32000,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+    torch_dtype="float32",
+)
 BATCH, SEQ = 4, 128
 MARK = "## Trainable parameters, peak memory, refit bytes and refit time (~70M-parameter model)"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -122,8 +131,11 @@ def child(mode: str, engine: bool, pushes: int) -> dict:
 
     before = rss_mib()
     model, peft_model = build(mode)
-    out: dict = {"mode": mode, "parameters": sum(p.numel() for p in model.parameters()),
-                 "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+    out: dict = {
+        "mode": mode,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+    }
     out["rss_model_mib"] = rss_mib()
     train_steps(model)
     out["rss_peak_train_mib"] = rss_mib()
@@ -173,7 +185,8 @@ def child(mode: str, engine: bool, pushes: int) -> dict:
             gen.update_weights(state_dict_for_refit(model), version)
             loads.append(time.perf_counter() - t)
         out["engine_max_abs_dlogprob"] = engine_logprobs_check(
-            lambda p: lp(gen.llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)), model)
+            lambda p: lp(gen.llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)), model
+        )
     out["refit_s"] = statistics.median(loads)
     out["rss_peak_with_engine_mib"] = rss_mib()
     shutil.rmtree(folder, ignore_errors=True)
@@ -185,21 +198,24 @@ def load() -> str:
 
 
 def report(rows: list[dict], engine: bool, loads: tuple[str, str]) -> str:
-    lines = [MARK, "",
-             f"- machine: {machine()}; load average (1, 5, 15 min) {loads[0]} before, {loads[1]} after: "
-             "times are inflated by the shared machine's load",
-             f"- code: commit `{git_commit()}`; script `benchmarks/e2e/bench_lora_refit.py"
-             f"{' --engine' if engine else ''}`",
-             f"- model: Qwen2-style from config, random weights, fp32: {rows[0]['parameters'] / 1e6:.1f} M parameters "
-             f"(hidden {MODEL['hidden_size']}, {MODEL['num_hidden_layers']} layers, vocab {MODEL['vocab_size']}, "
-             "tied embeddings); LoRA dim 8, alpha 32, all linear layers",
-             f"- peak memory: the process's peak RSS after building the model and after two AdamW steps on "
-             f"{BATCH}x{SEQ} tokens (each variant in its own process)",
-             "- refit: the median of the pushes; prepare = the trainer side (building the tensors), refit = prepare "
-             "+ the real vLLM engine's load, then the engine's prompt logprobs are checked against the trainer's", "",
-             "| variant | trainable parameters | peak RSS, model built | peak RSS, after 2 steps | training delta "
-             "| gradients + AdamW state (4 B x 3 per trainable) | refit bytes | prepare | refit (with engine load) | engine vs trainer max abs dlogprob |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        MARK,
+        "",
+        f"- machine: {machine()}; load average (1, 5, 15 min) {loads[0]} before, {loads[1]} after: "
+        "times are inflated by the shared machine's load",
+        f"- code: commit `{git_commit()}`; script `benchmarks/e2e/bench_lora_refit.py{' --engine' if engine else ''}`",
+        f"- model: Qwen2-style from config, random weights, fp32: {rows[0]['parameters'] / 1e6:.1f} M parameters "
+        f"(hidden {MODEL['hidden_size']}, {MODEL['num_hidden_layers']} layers, vocab {MODEL['vocab_size']}, "
+        "tied embeddings); LoRA dim 8, alpha 32, all linear layers",
+        f"- peak memory: the process's peak RSS after building the model and after two AdamW steps on "
+        f"{BATCH}x{SEQ} tokens (each variant in its own process)",
+        "- refit: the median of the pushes; prepare = the trainer side (building the tensors), refit = prepare "
+        "+ the real vLLM engine's load, then the engine's prompt logprobs are checked against the trainer's",
+        "",
+        "| variant | trainable parameters | peak RSS, model built | peak RSS, after 2 steps | training delta "
+        "| gradients + AdamW state (4 B x 3 per trainable) | refit bytes | prepare | refit (with engine load) | engine vs trainer max abs dlogprob |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     names = {"full": "full fine-tuning", "merged": "LoRA, merged refit", "adapter": "LoRA, `refit: adapter`"}
     for r in rows:
         refit = f"{r['refit_s']:.3f} s" if "refit_s" in r else "-"
@@ -208,7 +224,8 @@ def report(rows: list[dict], engine: bool, loads: tuple[str, str]) -> str:
             f"| {names[r['mode']]} | {r['trainable']:,} | {r['rss_model_mib']:.0f} MiB | {r['rss_peak_train_mib']:.0f} MiB "
             f"| {r['rss_peak_train_mib'] - r['rss_model_mib']:.0f} MiB | {r['trainable'] * 12 / 2**20:.0f} MiB "
             f"| {r['refit_bytes'] / 2**20:.2f} MiB "
-            f"({r['refit_tensors']} tensors) | {r['prepare_s']:.3f} s | {refit} | {check} |")
+            f"({r['refit_tensors']} tensors) | {r['prepare_s']:.3f} s | {refit} | {check} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -226,13 +243,15 @@ def main() -> int:
     before = load()
     rows = []
     for mode in ("full", "merged", "adapter"):
-        cmd = [sys.executable, __file__, "--child", mode, "--pushes", str(args.pushes)] + (["--engine"] if args.engine else [])
+        cmd = [sys.executable, __file__, "--child", mode, "--pushes", str(args.pushes)] + (
+            ["--engine"] if args.engine else []
+        )
         proc = subprocess.run(cmd, capture_output=True, text=True)
         result = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode != 0 or not result:
             print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
             return 1
-        rows.append(json.loads(result[-1][len("RESULT "):]))
+        rows.append(json.loads(result[-1][len("RESULT ") :]))
         print(rows[-1], flush=True)
     section = report(rows, args.engine, (before, load()))
     text = args.out.read_text() if args.out.exists() else ""

@@ -50,7 +50,9 @@ class Case:
 
 
 DEMO = Case("demo", "arith-tiny (1.1M params, 4 layers), 128 rows of 7-14 tokens", 64, 128, 64 * 32, 128 * 32)
-MIXED = Case("mixed", "tiny_qwen2-like (2 layers, hidden 128), 64 rows of GSM-like lengths (≤ 1024)", 4, 4, 4 * 1024, 4 * 1024)
+MIXED = Case(
+    "mixed", "tiny_qwen2-like (2 layers, hidden 128), 64 rows of GSM-like lengths (≤ 1024)", 4, 4, 4 * 1024, 4 * 1024
+)
 LAYOUTS = {
     "padded": {},
     "dynamic": {"dynamic_batching": {"enabled": True, "sequence_length_round": ROUND}},
@@ -68,13 +70,17 @@ def machine() -> str:
     except OSError:
         pass
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, {platform.system()} {platform.release()}, "
-            f"Python {platform.python_version()}, torch {torch.__version__}")
+    return (
+        f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, {platform.system()} {platform.release()}, "
+        f"Python {platform.python_version()}, torch {torch.__version__}"
+    )
 
 
 def git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+        ).stdout.strip()
     except OSError:
         return "unknown"
 
@@ -85,9 +91,17 @@ def mixed_model(path: Path) -> str:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
-                         tie_word_embeddings=True)
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+    )
     Qwen2ForCausalLM(config).save_pretrained(path)
     return str(path)
 
@@ -111,9 +125,14 @@ def make_batch(case: Case, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]
     token_mask = (attention_mask.bool() & (cols >= torch.from_numpy(prompt)[:, None])).float()
     g = torch.Generator().manual_seed(seed)
     adv = torch.randn(B, generator=g)
-    return {"input_ids": torch.randint(1, vocab, (B, S), generator=g) * attention_mask, "attention_mask": attention_mask,
-            "token_mask": token_mask, "gen_logprobs": -torch.rand(B, S, generator=g) * token_mask,
-            "advantages": adv[:, None] * token_mask, "sample_mask": torch.ones(B)}
+    return {
+        "input_ids": torch.randint(1, vocab, (B, S), generator=g) * attention_mask,
+        "attention_mask": attention_mask,
+        "token_mask": token_mask,
+        "gen_logprobs": -torch.rand(B, S, generator=g) * token_mask,
+        "advantages": adv[:, None] * token_mask,
+        "sample_mask": torch.ones(B),
+    }
 
 
 def policy_cfg(case: Case, layout: str):
@@ -122,9 +141,16 @@ def policy_cfg(case: Case, layout: str):
     budgets = {"train_mb_tokens": case.train_tokens, "logprob_mb_tokens": case.logprob_tokens}
     extra = {k: {**v, **budgets} for k, v in LAYOUTS[layout].items()}
     batch = 128 if case is DEMO else 64
-    return PolicyConfig(precision="float32", train_global_batch_size=batch, train_micro_batch_size=case.train_micro,
-                        logprob_batch_size=case.logprob_micro, use_fused_kernels=case is not DEMO, max_grad_norm=1.0,
-                        optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-6}}, **extra)
+    return PolicyConfig(
+        precision="float32",
+        train_global_batch_size=batch,
+        train_micro_batch_size=case.train_micro,
+        logprob_batch_size=case.logprob_micro,
+        use_fused_kernels=case is not DEMO,
+        max_grad_norm=1.0,
+        optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-6}},
+        **extra,
+    )
 
 
 def tokens_run(case: Case, layout: str, batch: dict[str, torch.Tensor]) -> tuple[int, int, int]:
@@ -142,8 +168,10 @@ def time_worker(case: Case, model_path: str, repeats: int) -> list[dict]:
     from grpo_train.config.schema import LossConfig
     from grpo_train.policy.worker import PolicyWorker
 
-    workers = {layout: PolicyWorker(model_path, policy_cfg(case, layout), LossConfig(reference_policy_kl_penalty=0.01), seed=0)
-               for layout in LAYOUTS}
+    workers = {
+        layout: PolicyWorker(model_path, policy_cfg(case, layout), LossConfig(reference_policy_kl_penalty=0.01), seed=0)
+        for layout in LAYOUTS
+    }
     batches = {layout: make_batch(case, w.model.config.vocab_size) for layout, w in workers.items()}
     times: dict[str, list[tuple[float, float]]] = {layout: [] for layout in LAYOUTS}
     for _ in range(repeats + 1):  # the first round warms up
@@ -160,24 +188,44 @@ def time_worker(case: Case, model_path: str, repeats: int) -> list[dict]:
         logprob_s, train_s = zip(*measured[1:])
         step = [a + b for a, b in zip(logprob_s, train_s)]
         real, run, n_mb = tokens_run(case, layout, batches[layout])
-        rows.append({"case": case.name, "layout": layout, "real": real, "run": run, "micro_batches": n_mb,
-                     "logprob": statistics.median(logprob_s), "train": statistics.median(train_s),
-                     "step": statistics.median(step), "best": min(step)})
+        rows.append(
+            {
+                "case": case.name,
+                "layout": layout,
+                "real": real,
+                "run": run,
+                "micro_batches": n_mb,
+                "logprob": statistics.median(logprob_s),
+                "train": statistics.median(train_s),
+                "step": statistics.median(step),
+                "best": min(step),
+            }
+        )
     return rows
 
 
 # --------------------------------------------------------------------------------- e2e
-E2E_COMMON = ["grpo.val_at_start=false", "grpo.val_at_end=false", "grpo.val_period=0", "checkpointing.enabled=false",
-              "logger.wandb_enabled=false", "logger.tensorboard_enabled=false", "logger.plot_enabled=false"]
+E2E_COMMON = [
+    "grpo.val_at_start=false",
+    "grpo.val_at_end=false",
+    "grpo.val_period=0",
+    "checkpointing.enabled=false",
+    "logger.wandb_enabled=false",
+    "logger.tensorboard_enabled=false",
+    "logger.plot_enabled=false",
+]
 
 
 def run_demo(layout: str, steps: int) -> dict:
     """One `grpo train` run of the demo -> per-step timings of steps 2..N and the run's wall time."""
     overrides = [f"grpo.max_num_steps={steps}", *E2E_COMMON]
     for section in LAYOUTS[layout]:
-        overrides += [f"policy.{section}.enabled=true", f"policy.{section}.sequence_length_round={ROUND}",
-                      f"policy.{section}.train_mb_tokens={DEMO.train_tokens}",
-                      f"policy.{section}.logprob_mb_tokens={DEMO.logprob_tokens}"]
+        overrides += [
+            f"policy.{section}.enabled=true",
+            f"policy.{section}.sequence_length_round={ROUND}",
+            f"policy.{section}.train_mb_tokens={DEMO.train_tokens}",
+            f"policy.{section}.logprob_mb_tokens={DEMO.logprob_tokens}",
+        ]
     run_dir = Path(tempfile.mkdtemp(prefix="grpo-bench-packing-")) / "run"
     cmd = [sys.executable, "-m", "grpo_cli.main", "train", "--run-dir", str(run_dir), *overrides]
     start = time.perf_counter()
@@ -203,10 +251,18 @@ def time_demo(steps: int, rounds: int) -> list[dict]:
             return statistics.median(r[key] for r in steady if key in r)
 
         per_run = [statistics.median(r["timing/step_s"] for r in run["steps"]) for run in done]
-        out.append({"layout": layout, "wall": statistics.median(run["wall"] for run in done), "per_run": per_run,
-                    "logprob": med("timing/logprob_s"), "train": med("timing/train_s"), "step": med("timing/step_s"),
-                    "reward": statistics.mean(run["steps"][-1]["reward_mean"] for run in done),
-                    "refit_diff": max(r.get("refit/max_abs_logprob_diff", 0.0) for r in steady)})
+        out.append(
+            {
+                "layout": layout,
+                "wall": statistics.median(run["wall"] for run in done),
+                "per_run": per_run,
+                "logprob": med("timing/logprob_s"),
+                "train": med("timing/train_s"),
+                "step": med("timing/step_s"),
+                "reward": statistics.mean(run["steps"][-1]["reward_mean"] for run in done),
+                "refit_diff": max(r.get("refit/max_abs_logprob_diff", 0.0) for r in steady),
+            }
+        )
     return out
 
 
@@ -232,8 +288,10 @@ def report(worker_rows: list[dict], e2e_rows: list[dict], args) -> str:
     ]
     for r in worker_rows:
         base = next(x for x in worker_rows if x["case"] == r["case"] and x["layout"] == "padded")
-        lines.append(f"| {r['case']} | {r['layout']} | {r['real']:,} | {r['run']:,} | {r['micro_batches']} | {r['logprob']:.3f} | "
-                     f"{r['train']:.3f} | {r['step']:.3f} | {r['best']:.3f} | {base['step'] / r['step']:.2f}x |")
+        lines.append(
+            f"| {r['case']} | {r['layout']} | {r['real']:,} | {r['run']:,} | {r['micro_batches']} | {r['logprob']:.3f} | "
+            f"{r['train']:.3f} | {r['step']:.3f} | {r['best']:.3f} | {base['step'] / r['step']:.2f}x |"
+        )
     lines += ["", "Cases: " + "; ".join(f"`{c.name}`: {c.description}" for c in (DEMO, MIXED)) + ".", ""]
     if e2e_rows:
         lines += [
@@ -245,9 +303,11 @@ def report(worker_rows: list[dict], e2e_rows: list[dict], args) -> str:
         ]
         base = next(r for r in e2e_rows if r["layout"] == "padded")
         for r in e2e_rows:
-            lines.append(f"| {r['layout']} | {r['logprob']:.3f} | {r['train']:.3f} | {r['step']:.3f} | "
-                         f"{base['step'] / r['step']:.2f}x | {', '.join(f'{x:.3f}' for x in r['per_run'])} | {r['wall']:.0f} | "
-                         f"{r['reward']:.3f} | {r['refit_diff']:.1e} |")
+            lines.append(
+                f"| {r['layout']} | {r['logprob']:.3f} | {r['train']:.3f} | {r['step']:.3f} | "
+                f"{base['step'] / r['step']:.2f}x | {', '.join(f'{x:.3f}' for x in r['per_run'])} | {r['wall']:.0f} | "
+                f"{r['reward']:.3f} | {r['refit_diff']:.1e} |"
+            )
         lines.append("")
     return "\n".join(lines)
 

@@ -45,8 +45,14 @@ def make_batch(vocab: int, rows: int, prompt: int, new: int, seed: int = 0) -> d
     token_mask = ((torch.arange(S)[None, :] >= prompt_lens[:, None]) & attention_mask.bool()).float()
     adv = torch.randn(rows, generator=g)
     gen = -torch.rand(rows, S, generator=g) * token_mask
-    return {"input_ids": input_ids * attention_mask, "attention_mask": attention_mask, "token_mask": token_mask,
-            "gen_logprobs": gen, "advantages": adv[:, None] * token_mask, "sample_mask": torch.ones(rows)}
+    return {
+        "input_ids": input_ids * attention_mask,
+        "attention_mask": attention_mask,
+        "token_mask": token_mask,
+        "gen_logprobs": gen,
+        "advantages": adv[:, None] * token_mask,
+        "sample_mask": torch.ones(rows),
+    }
 
 
 def main() -> int:
@@ -69,14 +75,25 @@ def main() -> int:
         from grpo_train.assets import builtin_model_path
 
         model_dir = str(builtin_model_path("arith-tiny"))
-    loss = LossConfig(reference_policy_kl_penalty=0.01, reference_policy_kl_type="k3", token_level_loss=True,
-                      use_importance_sampling_correction=False)
+    loss = LossConfig(
+        reference_policy_kl_penalty=0.01,
+        reference_policy_kl_type="k3",
+        token_level_loss=True,
+        use_importance_sampling_correction=False,
+    )
 
     def worker(beside: bool) -> PolicyWorker:
-        cfg = PolicyConfig(precision="float32", train_global_batch_size=rows, train_micro_batch_size=micro,
-                           logprob_batch_size=micro, max_grad_norm=1.0, use_fused_kernels=False,
-                           max_total_sequence_length=prompt + new + 16, reference_beside_training=beside,
-                           optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": 3e-5, "weight_decay": 0.0}})
+        cfg = PolicyConfig(
+            precision="float32",
+            train_global_batch_size=rows,
+            train_micro_batch_size=micro,
+            logprob_batch_size=micro,
+            max_grad_norm=1.0,
+            use_fused_kernels=False,
+            max_total_sequence_length=prompt + new + 16,
+            reference_beside_training=beside,
+            optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": 3e-5, "weight_decay": 0.0}},
+        )
         return PolicyWorker(model_dir, cfg, loss, seed=0, num_threads=args.threads)
 
     first, beside = worker(False), worker(True)
@@ -89,7 +106,10 @@ def main() -> int:
         beside.train(batch)
 
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    print(f"scale {args.scale}, threads {torch.get_num_threads()}, repeats {args.repeats}; load before: {load}", flush=True)
+    print(
+        f"scale {args.scale}, threads {torch.get_num_threads()}, repeats {args.repeats}; load before: {load}",
+        flush=True,
+    )
     times: dict[str, list[tuple[float, float]]] = {"first": [], "beside": []}
     run_first(), run_beside()  # warm-up
     for _ in range(args.repeats):

@@ -21,7 +21,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_demo import ROOT, git_commit, machine  # noqa: E402
 
 MIB = 1 << 20
-VARIANTS = [("object_store", 1024 * MIB), ("collective", 1024 * MIB), ("collective", 1 * MIB), ("collective", MIB // 16)]
+VARIANTS = [
+    ("object_store", 1024 * MIB),
+    ("collective", 1024 * MIB),
+    ("collective", 1 * MIB),
+    ("collective", MIB // 16),
+]
 
 
 def main() -> int:
@@ -45,7 +50,9 @@ def main() -> int:
     model = resolve_model_path(args.model)
     init_ray(ClusterConfig(num_cpus=4), actor_env_vars())
     cfg = PolicyConfig(precision="float32", train_global_batch_size=1, train_micro_batch_size=1)
-    engine = make_generation_actor("vllm", model, num_cpus=1, dtype="float32", max_model_len=64, kv_cache_space_gb=0.125)
+    engine = make_generation_actor(
+        "vllm", model, num_cpus=1, dtype="float32", max_model_len=64, kv_cache_space_gb=0.125
+    )
     policy = PolicyGroup(model, cfg, LossConfig(), ClusterConfig(), seed=0, num_threads=1)
     ray.get(engine.ready.remote())
     metas = policy.weight_metadata()
@@ -65,11 +72,16 @@ def main() -> int:
     ray.get(engine.shutdown.remote())
 
     report = [
-        "# Weight push time by transport (CPU)", "",
+        "# Weight push time by transport (CPU)",
+        "",
         f"Machine: {machine()}; commit {git_commit()}; model {args.model} ({len(metas)} tensors, "
         f"{total / MIB:.2f} MiB fp32); median of {args.pushes} pushes, one policy rank -> one vLLM engine; "
-        f"1-min load average at the end {os.getloadavg()[0]:.1f} (a shared machine inflates the times).", "",
-        "| transport | bucket (MiB) | buckets per push | push (ms) |", "|---|---|---|---|", *rows, "",
+        f"1-min load average at the end {os.getloadavg()[0]:.1f} (a shared machine inflates the times).",
+        "",
+        "| transport | bucket (MiB) | buckets per push | push (ms) |",
+        "|---|---|---|---|",
+        *rows,
+        "",
     ]
     Path(args.out).write_text("\n".join(report))
     print("\n".join(report))

@@ -75,9 +75,18 @@ def write_34m_model(folder: Path) -> Path:
 
     tiny = builtin_model_path("arith-tiny")
     config = AutoConfig.from_pretrained(tiny)
-    config.update({"hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 8,
-                   "num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 128,
-                   "layer_types": ["full_attention"] * 8})
+    config.update(
+        {
+            "hidden_size": 512,
+            "intermediate_size": 2048,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 8,
+            "head_dim": 64,
+            "max_position_embeddings": 128,
+            "layer_types": ["full_attention"] * 8,
+        }
+    )
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -130,9 +139,11 @@ def trl_main(steps: int, out_json: Path, scale: Scale) -> None:
         enc = tokenizer([r["prompt"] for r in val], return_tensors="pt", padding=True, add_special_tokens=False)
         was_training = m.training
         m.eval()
-        out = m.generate(**enc, do_sample=False, max_new_tokens=scale.max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+        out = m.generate(
+            **enc, do_sample=False, max_new_tokens=scale.max_new_tokens, pad_token_id=tokenizer.pad_token_id
+        )
         m.train(was_training)
-        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
         return sum(score(t, r["answer"]) for t, r in zip(texts, val)) / len(val)
 
     record: dict = {"steps": [], "val": {}, "phases": []}
@@ -158,16 +169,44 @@ def trl_main(steps: int, out_json: Path, scale: Scale) -> None:
             return out
 
     args = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="trl-bench-"), max_steps=steps, learning_rate=LR,
-        per_device_train_batch_size=scale.micro_batch, gradient_accumulation_steps=scale.rows // scale.micro_batch,
-        num_generations=GENERATIONS, max_completion_length=scale.max_new_tokens, temperature=1.0, top_p=1.0,
-        beta=BETA, epsilon=CLIP, loss_type="dapo", scale_rewards="group", lr_scheduler_type="constant",
-        warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0,
-        logging_steps=1, report_to="none", save_strategy="no", seed=SEED, use_cpu=True, bf16=False,
-        dataloader_num_workers=0, disable_dropout=True, log_completions=False,
+        output_dir=tempfile.mkdtemp(prefix="trl-bench-"),
+        max_steps=steps,
+        learning_rate=LR,
+        per_device_train_batch_size=scale.micro_batch,
+        gradient_accumulation_steps=scale.rows // scale.micro_batch,
+        num_generations=GENERATIONS,
+        max_completion_length=scale.max_new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        beta=BETA,
+        epsilon=CLIP,
+        loss_type="dapo",
+        scale_rewards="group",
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        max_grad_norm=1.0,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        seed=SEED,
+        use_cpu=True,
+        bf16=False,
+        dataloader_num_workers=0,
+        disable_dropout=True,
+        log_completions=False,
     )
-    trainer = TimedGRPOTrainer(model=model, reward_funcs=arithmetic_reward, args=args, train_dataset=train,
-                               processing_class=tokenizer, callbacks=[Timing()])
+    trainer = TimedGRPOTrainer(
+        model=model,
+        reward_funcs=arithmetic_reward,
+        args=args,
+        train_dataset=train,
+        processing_class=tokenizer,
+        callbacks=[Timing()],
+    )
     if scale.validate:
         record["val"][0] = held_out_accuracy(trainer.model)  # step-0 validation, as grpo's val_at_start
     trainer.train()
@@ -179,10 +218,19 @@ def trl_main(steps: int, out_json: Path, scale: Scale) -> None:
 def grpo_overrides(scale: Scale) -> list[str]:
     if scale.name == "tiny":
         return list(scale.extra)
-    return [*scale.extra, f"policy.model_name={scale.model_path}", f"grpo.num_prompts_per_step={scale.prompts}",
-            f"policy.train_global_batch_size={scale.rows}", f"policy.train_micro_batch_size={scale.micro_batch}",
-            f"policy.generation.max_new_tokens={scale.max_new_tokens}", "policy.max_total_sequence_length=96",
-            "grpo.val_at_start=false", "grpo.val_at_end=false", "grpo.val_period=0", "checkpointing.enabled=false"]
+    return [
+        *scale.extra,
+        f"policy.model_name={scale.model_path}",
+        f"grpo.num_prompts_per_step={scale.prompts}",
+        f"policy.train_global_batch_size={scale.rows}",
+        f"policy.train_micro_batch_size={scale.micro_batch}",
+        f"policy.generation.max_new_tokens={scale.max_new_tokens}",
+        "policy.max_total_sequence_length=96",
+        "grpo.val_at_start=false",
+        "grpo.val_at_end=false",
+        "grpo.val_period=0",
+        "checkpointing.enabled=false",
+    ]
 
 
 def run_grpo(steps: int, scale: Scale) -> dict:
@@ -190,18 +238,34 @@ def run_grpo(steps: int, scale: Scale) -> dict:
     wall, rows, train = res.wall, res.rows, res.train
     steady = train[1:] or train
     phases = {}
-    for key in sorted({k for r in steady for k in r if k.startswith("timing/") and k not in ("timing/step_s", "timing/startup_s")}):
-        phases[key[len("timing/"):-2]] = statistics.median(r.get(key, 0.0) for r in steady)
-    return {"wall_s": wall, "startup_s": train[0].get("timing/startup_s", float("nan")),
-            "step_s": statistics.median(r["timing/step_s"] for r in steady), "phases": phases,
-            "min_step_s": min(r["timing/step_s"] for r in steady),
-            "val": {r["step"]: r["accuracy"] for r in rows if r["split"] == "val"}}
+    for key in sorted(
+        {k for r in steady for k in r if k.startswith("timing/") and k not in ("timing/step_s", "timing/startup_s")}
+    ):
+        phases[key[len("timing/") : -2]] = statistics.median(r.get(key, 0.0) for r in steady)
+    return {
+        "wall_s": wall,
+        "startup_s": train[0].get("timing/startup_s", float("nan")),
+        "step_s": statistics.median(r["timing/step_s"] for r in steady),
+        "phases": phases,
+        "min_step_s": min(r["timing/step_s"] for r in steady),
+        "val": {r["step"]: r["accuracy"] for r in rows if r["split"] == "val"},
+    }
 
 
 def run_trl(steps: int, scale: Scale) -> dict:
     out_json = Path(tempfile.mkdtemp(prefix="trl-bench-")) / "trl.json"
-    cmd = [sys.executable, __file__, "--trl-worker", str(out_json), "--steps", str(steps), "--scale", scale.name,
-           "--model-path", scale.model_path]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--trl-worker",
+        str(out_json),
+        "--steps",
+        str(steps),
+        "--scale",
+        scale.name,
+        "--model-path",
+        scale.model_path,
+    ]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - start
@@ -211,9 +275,15 @@ def run_trl(steps: int, scale: Scale) -> dict:
     steady = rec["steps"][1:] or rec["steps"]
     gen = statistics.median(rec["phases"][1:] or rec["phases"])
     step = statistics.median(steady)
-    return {"wall_s": wall, "startup_s": rec["startup_s"], "step_s": step, "threads": rec["threads"], "min_step_s": min(steady),
-            "phases": {"generate+reward+ref_logprob": gen, "train (rest of the step)": step - gen},
-            "val": {int(k): v for k, v in rec["val"].items()}}
+    return {
+        "wall_s": wall,
+        "startup_s": rec["startup_s"],
+        "step_s": step,
+        "threads": rec["threads"],
+        "min_step_s": min(steady),
+        "phases": {"generate+reward+ref_logprob": gen, "train (rest of the step)": step - gen},
+        "val": {int(k): v for k, v in rec["val"].items()},
+    }
 
 
 def curve(val: dict) -> str:
@@ -222,8 +292,11 @@ def curve(val: dict) -> str:
 
 def report(grpo: dict, trl: dict, steps: int, load_before: str, load_after: str, order: str, scale: Scale) -> str:
     ratio = lambda a, b: f"{a / b:.2f}x"  # noqa: E731
-    title = ("tiny scale (bundled arith-tiny, ~1M params)" if scale.name == "tiny" else
-             "34M scale (Qwen2-style, hidden 512, 8 layers, random init, bundled tokenizer)")
+    title = (
+        "tiny scale (bundled arith-tiny, ~1M params)"
+        if scale.name == "tiny"
+        else "34M scale (Qwen2-style, hidden 512, 8 layers, random init, bundled tokenizer)"
+    )
     lines = [
         f"# grpo vs TRL GRPOTrainer, {title} on CPU",
         "",
@@ -234,12 +307,17 @@ def report(grpo: dict, trl: dict, steps: int, load_before: str, load_after: str,
         f"- settings: {scale.prompts} prompts x {GENERATIONS} generations, one optimizer step of "
         f"{scale.rows // scale.micro_batch} x {scale.micro_batch} rows, lr {LR} constant, KL {BETA} (k3), clip {CLIP}, "
         f"{scale.max_new_tokens} new tokens at T=1.0, {steps} steps, float32"
-        + ("" if scale.validate else ", no validation (random weights; eos unreachable, so every sample has all its tokens)")
+        + (
+            ""
+            if scale.validate
+            else ", no validation (random weights; eos unreachable, so every sample has all its tokens)"
+        )
         + (f"; grpo overrides: `{' '.join(scale.extra)}`" if scale.extra else ""),
         "- differences: grpo generates with vLLM (CPU), TRL with transformers `generate`; grpo's baseline is "
         "leave-one-out (demo config), TRL's the group mean; grpo checks the refit every step",
         "- time to first step = process start -> start of step 1"
-        + (" (after the step-0 validation)" if scale.validate else "") + ", both sides",
+        + (" (after the step-0 validation)" if scale.validate else "")
+        + ", both sides",
         "",
         "| | TRL | grpo | grpo / TRL | target |",
         "|---|---|---|---|---|",
@@ -266,10 +344,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--scale", choices=["tiny", "34m"], default="tiny")
     parser.add_argument("--steps", type=int, default=None, help="40 at the tiny scale, 4 at 34m")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="appended to; default benchmarks/results/e2e_vs_trl_cpu.md (tiny), e2e_vs_trl_34m_cpu.md (34m)")
-    parser.add_argument("--grpo-override", action="append", default=[], metavar="KEY=VALUE",
-                        help="an extra `grpo train` override for grpo's side (repeatable; stated in the report)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="appended to; default benchmarks/results/e2e_vs_trl_cpu.md (tiny), e2e_vs_trl_34m_cpu.md (34m)",
+    )
+    parser.add_argument(
+        "--grpo-override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an extra `grpo train` override for grpo's side (repeatable; stated in the report)",
+    )
     parser.add_argument("--trl-worker", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model-path", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -283,7 +370,9 @@ def main() -> int:
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     if scale.name == "34m":
         scale.model_path = str(write_34m_model(Path(tempfile.mkdtemp(prefix="bench-34m-")) / "model"))
-    out = args.out or ROOT / "benchmarks" / "results" / ("e2e_vs_trl_cpu.md" if scale.name == "tiny" else "e2e_vs_trl_34m_cpu.md")
+    out = args.out or ROOT / "benchmarks" / "results" / (
+        "e2e_vs_trl_cpu.md" if scale.name == "tiny" else "e2e_vs_trl_34m_cpu.md"
+    )
     load_before = uptime()
     trl = run_trl(steps, scale)
     grpo = run_grpo(steps, scale)

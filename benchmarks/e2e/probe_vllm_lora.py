@@ -27,8 +27,10 @@ def main() -> int:
 
     model_dir = str(builtin_model_path("arith-tiny"))
     torch.manual_seed(0)
-    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-                                LoraConfig(r=8, lora_alpha=32, target_modules="all-linear"))
+    peft_model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+        LoraConfig(r=8, lora_alpha=32, target_modules="all-linear"),
+    )
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
@@ -36,8 +38,17 @@ def main() -> int:
     adapter_dir = tempfile.mkdtemp(prefix="grpo-vllm-lora-")
     peft_model.save_pretrained(adapter_dir)
 
-    llm = vllm.LLM(model=model_dir, dtype="float32", max_model_len=64, enforce_eager=True, enable_lora=True,
-                   max_lora_rank=8, max_loras=1, kv_cache_memory_bytes=1 << 30, logprobs_mode="raw_logprobs")
+    llm = vllm.LLM(
+        model=model_dir,
+        dtype="float32",
+        max_model_len=64,
+        enforce_eager=True,
+        enable_lora=True,
+        max_lora_rank=8,
+        max_loras=1,
+        kv_cache_memory_bytes=1 << 30,
+        logprobs_mode="raw_logprobs",
+    )
     prompt = [3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
     params = vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
 

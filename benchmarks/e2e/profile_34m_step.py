@@ -45,8 +45,14 @@ def make_batch(vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
     token_mask = ((torch.arange(S)[None, :] >= prompt_lens[:, None]) & attention_mask.bool()).float()
     adv = torch.randn(ROWS, generator=g)
     gen = -torch.rand(ROWS, S, generator=g) * token_mask
-    return {"input_ids": input_ids * attention_mask, "attention_mask": attention_mask, "token_mask": token_mask,
-            "gen_logprobs": gen, "advantages": adv[:, None] * token_mask, "sample_mask": torch.ones(ROWS)}
+    return {
+        "input_ids": input_ids * attention_mask,
+        "attention_mask": attention_mask,
+        "token_mask": token_mask,
+        "gen_logprobs": gen,
+        "advantages": adv[:, None] * token_mask,
+        "sample_mask": torch.ones(ROWS),
+    }
 
 
 def timed(fn, repeats: int, warmup: bool = True) -> tuple[float, float]:
@@ -82,20 +88,35 @@ def main() -> int:
     from grpo_train.policy.worker import PolicyWorker, pg_loss_config
 
     model_dir = str(write_34m_model(Path(tempfile.mkdtemp(prefix="prof-34m-")) / "model"))
-    policy = PolicyConfig(precision="float32", train_global_batch_size=ROWS, train_micro_batch_size=MICRO,
-                          logprob_batch_size=MICRO, max_grad_norm=1.0, use_fused_kernels=False,
-                          max_total_sequence_length=96,
-                          optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": 3e-5, "weight_decay": 0.0}})
-    loss = LossConfig(reference_policy_kl_penalty=0.01, reference_policy_kl_type="k3", token_level_loss=True,
-                      use_importance_sampling_correction=False)
+    policy = PolicyConfig(
+        precision="float32",
+        train_global_batch_size=ROWS,
+        train_micro_batch_size=MICRO,
+        logprob_batch_size=MICRO,
+        max_grad_norm=1.0,
+        use_fused_kernels=False,
+        max_total_sequence_length=96,
+        optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": 3e-5, "weight_decay": 0.0}},
+    )
+    loss = LossConfig(
+        reference_policy_kl_penalty=0.01,
+        reference_policy_kl_type="k3",
+        token_level_loss=True,
+        use_importance_sampling_correction=False,
+    )
     worker = PolicyWorker(model_dir, policy, loss, seed=0, num_threads=args.threads)
     batch = make_batch(worker.model.config.vocab_size)
     batch["ref_logprobs"] = worker.logprobs(batch, reference=True)
     print(f"threads {torch.get_num_threads()}, reuses prev: {worker.reuses_prev(batch, ROWS)}", flush=True)
     print(f"load: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}", flush=True)
 
-    print(fmt("ref logprobs (64 rows, no grad)", timed(lambda: worker.logprobs(batch, reference=True), args.repeats,
-                                                        warmup=False)), flush=True)
+    print(
+        fmt(
+            "ref logprobs (64 rows, no grad)",
+            timed(lambda: worker.logprobs(batch, reference=True), args.repeats, warmup=False),
+        ),
+        flush=True,
+    )
     print(fmt("worker.train", timed(lambda: worker.train(batch), args.repeats)), flush=True)
 
     # The bare twin: plain forward/backward/AdamW on a copy of the model, same micro-batches and loss op.
@@ -116,9 +137,18 @@ def main() -> int:
             logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits[:, :-1].float()
             lp = torch.log_softmax(logits, -1).gather(-1, mb["input_ids"][:, 1:, None]).squeeze(-1)
             curr = torch.nn.functional.pad(lp, (1, 0))
-            out, _ = grpo_kernels.clipped_pg_loss(curr, curr.detach(), mb["gen_logprobs"], mb["ref_logprobs"],
-                                                  mb["advantages"], mb["token_mask"], mb["sample_mask"], cfg,
-                                                  tokens, float(ROWS))
+            out, _ = grpo_kernels.clipped_pg_loss(
+                curr,
+                curr.detach(),
+                mb["gen_logprobs"],
+                mb["ref_logprobs"],
+                mb["advantages"],
+                mb["token_mask"],
+                mb["sample_mask"],
+                cfg,
+                tokens,
+                float(ROWS),
+            )
             out.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -141,9 +171,13 @@ def generation(args) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     model_dir = str(write_34m_model(Path(tempfile.mkdtemp(prefix="prof-34m-")) / "model"))
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(2, 32, (int(n),), generator=g).tolist() for n in torch.randint(8, PROMPT + 1, (8,), generator=g)]
-    print(f"threads {args.threads}; load: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}",
-          flush=True)
+    prompts = [
+        torch.randint(2, 32, (int(n),), generator=g).tolist() for n in torch.randint(8, PROMPT + 1, (8,), generator=g)
+    ]
+    print(
+        f"threads {args.threads}; load: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}",
+        flush=True,
+    )
 
     from transformers import AutoModelForCausalLM
 
@@ -154,8 +188,17 @@ def generation(args) -> int:
 
     def hf() -> None:
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                                 max_new_tokens=NEW, min_new_tokens=NEW, pad_token_id=0)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                max_new_tokens=NEW,
+                min_new_tokens=NEW,
+                pad_token_id=0,
+            )
         assert out.shape[1] == width + NEW
 
     print(fmt("HF generate (64 rows x 64 tokens)", timed(hf, args.repeats)), flush=True)
@@ -165,7 +208,9 @@ def generation(args) -> int:
 
     c0, t0 = time.process_time(), time.perf_counter()
     gen = VllmGenerator(model_dir, max_model_len=96, seed=0)
-    print(f"vLLM import + engine: wall {time.perf_counter() - t0:.2f} s, CPU {time.process_time() - c0:.2f} s", flush=True)
+    print(
+        f"vLLM import + engine: wall {time.perf_counter() - t0:.2f} s, CPU {time.process_time() - c0:.2f} s", flush=True
+    )
     spec = SamplingSpec(temperature=1.0, max_new_tokens=NEW, n=8)
 
     def vllm() -> None:

@@ -54,9 +54,13 @@ print("started", ray.get(ray.remote(lambda: 1).remote()) == 1)
 
 def run_case(code: str, delay_s: float, work: Path) -> dict:
     marker = work / f"marker-{time.time_ns()}"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(work), os.environ.get("PYTHONPATH", "")]),
-           "GRPO_REPRO_AGENT_MARKER": str(marker), "GRPO_REPRO_AGENT_DELAY_S": str(delay_s),
-           "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(work), os.environ.get("PYTHONPATH", "")]),
+        "GRPO_REPRO_AGENT_MARKER": str(marker),
+        "GRPO_REPRO_AGENT_DELAY_S": str(delay_s),
+        "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+    }
     before = set(glob.glob(os.path.join(tempfile.gettempdir(), "ray", "session_2*")))
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
@@ -67,9 +71,16 @@ def run_case(code: str, delay_s: float, work: Path) -> dict:
         if err.is_file() and "Timed out waiting for file" in err.read_text():
             missed = Path(err.read_text().split("Timed out waiting for file ")[1].split()[0]).name
             raylet_errors.append(f"Timed out waiting for file {missed[:30]}...")
-    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith(("started", "warning:", "Exception"))]
-    return {"rc": proc.returncode, "seconds": seconds, "raylet": raylet_errors, "lines": lines,
-            "tail": (proc.stdout + proc.stderr)[-600:]}
+    lines = [
+        ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith(("started", "warning:", "Exception"))
+    ]
+    return {
+        "rc": proc.returncode,
+        "seconds": seconds,
+        "raylet": raylet_errors,
+        "lines": lines,
+        "tail": (proc.stdout + proc.stderr)[-600:],
+    }
 
 
 def main() -> int:
@@ -82,16 +93,25 @@ def main() -> int:
     load_before = os.getloadavg()
     results = {name: run_case(code, args.agent_delay_s, work) for name, code in (("plain", PLAIN), ("grpo", GRPO))}
     load_after = os.getloadavg()
-    rows = [f"| {name} | {r['rc']} | {r['seconds']:.0f} | {'; '.join(r['raylet']) or '-'} | {' / '.join(r['lines'])} |"
-            for name, r in results.items()]
-    report = "\n".join([
-        "# Ray head start with a late dashboard agent (benchmarks/e2e/repro_ray_head_start.py)", "",
-        f"Machine: {machine()}. Commit {git_commit()}. Load average (1/5/15 min) before "
-        f"{'/'.join(f'{x:.1f}' for x in load_before)}, after {'/'.join(f'{x:.1f}' for x in load_after)} "
-        "(a shared machine: seconds are inflated by other users' work).",
-        f"The first dashboard agent of each case sleeps {args.agent_delay_s:g} s before importing Ray's dashboard.", "",
-        "| case | exit | seconds | raylet.err | driver lines |", "|---|---|---|---|---|", *rows, "",
-    ])
+    rows = [
+        f"| {name} | {r['rc']} | {r['seconds']:.0f} | {'; '.join(r['raylet']) or '-'} | {' / '.join(r['lines'])} |"
+        for name, r in results.items()
+    ]
+    report = "\n".join(
+        [
+            "# Ray head start with a late dashboard agent (benchmarks/e2e/repro_ray_head_start.py)",
+            "",
+            f"Machine: {machine()}. Commit {git_commit()}. Load average (1/5/15 min) before "
+            f"{'/'.join(f'{x:.1f}' for x in load_before)}, after {'/'.join(f'{x:.1f}' for x in load_after)} "
+            "(a shared machine: seconds are inflated by other users' work).",
+            f"The first dashboard agent of each case sleeps {args.agent_delay_s:g} s before importing Ray's dashboard.",
+            "",
+            "| case | exit | seconds | raylet.err | driver lines |",
+            "|---|---|---|---|---|",
+            *rows,
+            "",
+        ]
+    )
     args.out.write_text(report)
     print(report)
     ok = results["plain"]["rc"] != 0 and results["plain"]["raylet"] and results["grpo"]["rc"] == 0

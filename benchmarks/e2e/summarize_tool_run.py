@@ -37,14 +37,18 @@ def main(argv: list[str]) -> int:
     for r in val:
         print(f"| {r['step']} | {r['accuracy']:.3f} | {first(r, 'turns_mean'):.2f} |")
     print()
-    print("| step | reward | calls / sample | invalid calls | tool errors | answered / sample | turns / sample | drift samples |")
+    print(
+        "| step | reward | calls / sample | invalid calls | tool errors | answered / sample | turns / sample | drift samples |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in train:
         n = first(r, "rollout/num_samples", SAMPLES_PER_STEP_KEY, default=128.0)
-        print(f"| {r['step']} | {first(r, 'reward', 'reward_mean', 'rewards/mean'):.3f} "
-              f"| {first(r, f'{ENV}/tool_calls', default=0.0) / n:.2f} | {first(r, f'{ENV}/invalid_tool_calls', default=0.0):.0f} "
-              f"| {first(r, f'{ENV}/tool_errors', default=0.0):.0f} | {first(r, f'{ENV}/answered', default=0.0) / n:.2f} "
-              f"| {first(r, 'turns_mean', 'rollout/turns_mean'):.2f} | {first(r, 'rollout/chat_drift_samples', default=0.0):.0f} |")
+        print(
+            f"| {r['step']} | {first(r, 'reward', 'reward_mean', 'rewards/mean'):.3f} "
+            f"| {first(r, f'{ENV}/tool_calls', default=0.0) / n:.2f} | {first(r, f'{ENV}/invalid_tool_calls', default=0.0):.0f} "
+            f"| {first(r, f'{ENV}/tool_errors', default=0.0):.0f} | {first(r, f'{ENV}/answered', default=0.0) / n:.2f} "
+            f"| {first(r, 'turns_mean', 'rollout/turns_mean'):.2f} | {first(r, 'rollout/chat_drift_samples', default=0.0):.0f} |"
+        )
     return 0
 
 

@@ -56,10 +56,13 @@ def measure(pool, batch, units_per_batch, repeats):
 
 
 def machine_info():
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    model = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?"
+    )
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "packages/grpo-envs", "benchmarks/envs"],
-                           capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--", "packages/grpo-envs", "benchmarks/envs"], capture_output=True, text=True
+    ).stdout.strip()
     import ray
 
     return {
@@ -92,7 +95,9 @@ def main():
     mb = math_batch(args.math_batch)
     cb = code_batch(args.code_batch)
     code_units = args.code_batch * len(CODE_TESTS["tests"])
-    for label, kwargs in [("in-process", {"in_process": True})] + [(f"{w} Ray worker(s)", {"num_workers": w}) for w in args.workers]:
+    for label, kwargs in [("in-process", {"in_process": True})] + [
+        (f"{w} Ray worker(s)", {"num_workers": w}) for w in args.workers
+    ]:
         with EnvPool("math", {"timeout_s": 5.0}, **{"num_workers": 1, **kwargs}) as pool:
             med, lo, hi, out = measure(pool, mb, args.math_batch, args.repeats)
             rows.append(("math", label, "verifications/s", med, lo, hi, out.metrics.get("accuracy")))

@@ -40,8 +40,11 @@ def main() -> None:
             out = env.step(logs, infos)
             rates.append(units / (time.perf_counter() - t0))
         assert out.metrics["pass_rate"] == 1.0, out.metadata[0]
-        print(f"| {args.label} | {parallel} | {statistics.median(rates):.1f} | {min(rates):.1f} | {max(rates):.1f} "
-              f"| {load_before:.1f} → {os.getloadavg()[0]:.1f} | {out.metadata[0].get('isolation')} |", flush=True)
+        print(
+            f"| {args.label} | {parallel} | {statistics.median(rates):.1f} | {min(rates):.1f} | {max(rates):.1f} "
+            f"| {load_before:.1f} → {os.getloadavg()[0]:.1f} | {out.metadata[0].get('isolation')} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

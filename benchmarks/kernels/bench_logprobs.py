@@ -88,8 +88,9 @@ def logits_impls(device):
     impls["torch.compile"] = compiled or why
     if device.type == "cuda":
         # Both fast paths, named: the dispatch (grpo_kernels.token_logprobs) takes the first.
-        impls["grpo_kernels cuda ext"] = (_ext.token_logprobs if _ext.has_cuda_extension()
-                                          else "grpo_kernels._C was built without CUDA")
+        impls["grpo_kernels cuda ext"] = (
+            _ext.token_logprobs if _ext.has_cuda_extension() else "grpo_kernels._C was built without CUDA"
+        )
         impls["grpo_kernels triton"] = triton_logits_impl()
         impls["liger"] = liger_logits_impl() or "not installed"
     return impls
@@ -122,9 +123,12 @@ def measure(call, inputs, device, repeats):
 
     fwd = harness.timings(forward, device, repeats=repeats)
     fwd_bwd = harness.timings(forward_backward, device, repeats=repeats)
-    result = dict(fwd_ms=fwd["ms"], fwd_bwd_ms=fwd_bwd["ms"],
-                  peak_fwd_MiB=harness.peak_extra_bytes(forward, device) / 2**20,
-                  peak_fwd_bwd_MiB=harness.peak_extra_bytes(forward_backward, device) / 2**20)
+    result = dict(
+        fwd_ms=fwd["ms"],
+        fwd_bwd_ms=fwd_bwd["ms"],
+        peak_fwd_MiB=harness.peak_extra_bytes(forward, device) / 2**20,
+        peak_fwd_bwd_MiB=harness.peak_extra_bytes(forward_backward, device) / 2**20,
+    )
     if "cpu_ms" in fwd:
         result.update(fwd_cpu_ms=fwd["cpu_ms"], fwd_bwd_cpu_ms=fwd_bwd["cpu_ms"])
     return result
@@ -148,7 +152,9 @@ def bench_logits(shapes, device, ceiling, repeats) -> list[dict]:
                         row["note"] = impl[:80]
                         continue
                     try:
-                        m = measure(functools.partial(impl, logits, targets, TEMPERATURE, entropy), logits, device, repeats)
+                        m = measure(
+                            functools.partial(impl, logits, targets, TEMPERATURE, entropy), logits, device, repeats
+                        )
                     except Exception as err:  # noqa: BLE001 - report, keep going
                         row["note"] = f"failed: {type(err).__name__}: {err}"[:120]
                         continue
@@ -159,7 +165,8 @@ def bench_logits(shapes, device, ceiling, repeats) -> list[dict]:
                         # again and writes d(logits)
                         fwd_bw_frac=nbytes / m["fwd_ms"] / 1e6 / ceiling["copy_GBps"],
                         fwd_bwd_bw_frac=3 * nbytes / m["fwd_bwd_ms"] / 1e6 / ceiling["copy_GBps"],
-                        speedup_fwd=eager_ms[0] / m["fwd_ms"], speedup_fwd_bwd=eager_ms[1] / m["fwd_bwd_ms"],
+                        speedup_fwd=eager_ms[0] / m["fwd_ms"],
+                        speedup_fwd_bwd=eager_ms[1] / m["fwd_bwd_ms"],
                     )
                     print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
             del logits
@@ -179,22 +186,28 @@ def bench_linear(shapes, device, ceiling, repeats) -> list[dict]:
                 flops = 2 * T * H * V
                 eager_ms = None
                 for name, impl in impls.items():
-                    row = dict(op="linear_logprobs", impl=name, T=T, H=H, V=V, entropy=False, dtype=str(shapes["dtype"])[6:])
+                    row = dict(
+                        op="linear_logprobs", impl=name, T=T, H=H, V=V, entropy=False, dtype=str(shapes["dtype"])[6:]
+                    )
                     rows.append(row)
                     if isinstance(impl, str):
                         row["note"] = impl[:80]
                         continue
                     try:
-                        m = measure(lambda: impl(hidden, weight, targets, 1.0, False), (hidden, weight), device, repeats)
+                        m = measure(
+                            lambda: impl(hidden, weight, targets, 1.0, False), (hidden, weight), device, repeats
+                        )
                     except Exception as err:  # noqa: BLE001
                         row["note"] = f"failed: {type(err).__name__}: {err}"[:120]
                         continue
                     eager_ms = eager_ms or (m["fwd_ms"], m["fwd_bwd_ms"])
                     row.update(
                         m,
-                        fwd_tflops=flops / m["fwd_ms"] / 1e9, fwd_bwd_tflops=3 * flops / m["fwd_bwd_ms"] / 1e9,
+                        fwd_tflops=flops / m["fwd_ms"] / 1e9,
+                        fwd_bwd_tflops=3 * flops / m["fwd_bwd_ms"] / 1e9,
                         fwd_gemm_frac=flops / m["fwd_ms"] / 1e9 / ceiling["gemm_TFLOPs"],
-                        speedup_fwd=eager_ms[0] / m["fwd_ms"], speedup_fwd_bwd=eager_ms[1] / m["fwd_bwd_ms"],
+                        speedup_fwd=eager_ms[0] / m["fwd_ms"],
+                        speedup_fwd_bwd=eager_ms[1] / m["fwd_bwd_ms"],
                     )
                     print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
     return rows
@@ -205,8 +218,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--quick", action="store_true", help="one tiny shape (smoke run)")
     args = parser.parse_args(argv)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
     shapes = QUICK_SHAPES if args.quick else (GPU_SHAPES if device.type == "cuda" else CPU_SHAPES)
     kind = "gpu" if device.type == "cuda" else "cpu"
     info = harness.machine(device)
@@ -236,11 +252,21 @@ def main(argv: list[str] | None = None) -> None:
         ]
     columns = ["op", "impl", "T", "H", "V", "dtype", "entropy", "fwd_ms", "fwd_bwd_ms"]
     columns += ["fwd_cpu_ms", "fwd_bwd_cpu_ms"] if kind == "cpu" else []
-    columns += ["fwd_bw_frac", "fwd_bwd_bw_frac", "fwd_tflops", "fwd_gemm_frac", "speedup_fwd", "speedup_fwd_bwd",
-                "peak_fwd_MiB", "peak_fwd_bwd_MiB", "note"]
+    columns += [
+        "fwd_bw_frac",
+        "fwd_bwd_bw_frac",
+        "fwd_tflops",
+        "fwd_gemm_frac",
+        "speedup_fwd",
+        "speedup_fwd_bwd",
+        "peak_fwd_MiB",
+        "peak_fwd_bwd_MiB",
+        "note",
+    ]
     stem = f"kernels_logprobs_{kind}" + ("_quick" if args.quick else "")
-    path = harness.write_results(stem, f"Token logprobs and fused lm_head logprobs ({kind.upper()})",
-                                 info, ceiling, rows, columns, notes)
+    path = harness.write_results(
+        stem, f"Token logprobs and fused lm_head logprobs ({kind.upper()})", info, ceiling, rows, columns, notes
+    )
     print(f"wrote {path}")
 
 

@@ -44,8 +44,17 @@ def make_batch(n_tokens: int, device: torch.device) -> dict:
     token_mask = (torch.arange(SEQ_LEN, device=device)[None, :] < lengths[:, None]).float()
     token_mask[:, :64] = 0  # prompt
     sample_mask = torch.ones(B, device=device)
-    return dict(curr=curr, prev=prev, gen=gen, ref=ref, advantages=adv, token_mask=token_mask,
-                sample_mask=sample_mask, global_valid_tokens=int(token_mask.sum()), global_valid_seqs=B)
+    return dict(
+        curr=curr,
+        prev=prev,
+        gen=gen,
+        ref=ref,
+        advantages=adv,
+        token_mask=token_mask,
+        sample_mask=sample_mask,
+        global_valid_tokens=int(token_mask.sum()),
+        global_valid_seqs=B,
+    )
 
 
 def impls(device):
@@ -54,8 +63,7 @@ def impls(device):
     out["torch.compile"] = compiled or why
     if device.type == "cuda":
         out["grpo_kernels"] = grpo_kernels.clipped_pg_loss
-        out["liger"] = ("not comparable: Liger's GRPO loss starts from hidden states / logits, "
-                        "not from logprobs")
+        out["liger"] = "not comparable: Liger's GRPO loss starts from hidden states / logits, not from logprobs"
     return out
 
 
@@ -92,9 +100,12 @@ def bench(tokens, device, repeats) -> list[dict]:
                         continue
                     eager_ms = eager_ms or (fwd["ms"], fwd_bwd["ms"])
                     row.update(
-                        fwd_ms=fwd["ms"], fwd_bwd_ms=fwd_bwd["ms"],
-                        fwd_cpu_ms=fwd.get("cpu_ms", ""), fwd_bwd_cpu_ms=fwd_bwd.get("cpu_ms", ""),
-                        speedup_fwd=eager_ms[0] / fwd["ms"], speedup_fwd_bwd=eager_ms[1] / fwd_bwd["ms"],
+                        fwd_ms=fwd["ms"],
+                        fwd_bwd_ms=fwd_bwd["ms"],
+                        fwd_cpu_ms=fwd.get("cpu_ms", ""),
+                        fwd_bwd_cpu_ms=fwd_bwd.get("cpu_ms", ""),
+                        speedup_fwd=eager_ms[0] / fwd["ms"],
+                        speedup_fwd_bwd=eager_ms[1] / fwd_bwd["ms"],
                         launches_fwd=harness.launches(forward, device),
                         launches_fwd_bwd=harness.launches(forward_backward, device),
                         peak_fwd_bwd_MiB=harness.peak_extra_bytes(forward_backward, device) / 2**20,
@@ -108,8 +119,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--quick", action="store_true", help="16K tokens only (smoke run)")
     args = parser.parse_args(argv)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
     kind = "gpu" if device.type == "cuda" else "cpu"
     tokens = QUICK_TOKENS if args.quick else (GPU_TOKENS if kind == "gpu" else CPU_TOKENS)
     info = harness.machine(device)

@@ -50,7 +50,7 @@ def rank_main(rank: int, tp: int, port: int, T: int, V: int, repeats: int, queue
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
     logits, targets = make(T, V)
-    shard = logits[:, rank * V // tp:(rank + 1) * V // tp].contiguous()
+    shard = logits[:, rank * V // tp : (rank + 1) * V // tp].contiguous()
 
     def run():
         return fwd_bwd(vocab_parallel_token_logprobs, shard, targets)

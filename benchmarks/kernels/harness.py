@@ -31,8 +31,9 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timings(fn: Callable[[], object], device: torch.device, warmup: int = 2, repeats: int = 10,
-            min_seconds: float = 0.2) -> dict[str, float]:
+def timings(
+    fn: Callable[[], object], device: torch.device, warmup: int = 2, repeats: int = 10, min_seconds: float = 0.2
+) -> dict[str, float]:
     """Median wall time (CUDA events on a GPU) over `repeats` runs, more while under
     min_seconds, after warm-up runs. On CPU also the median process CPU time, which a busy
     shared machine disturbs less than the wall clock."""
@@ -99,7 +100,8 @@ def launches(fn: Callable[[], object], device: torch.device) -> int:
         return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
     # aten ops not called by another aten op (backward ops hang under autograd::engine nodes)
     return sum(
-        1 for e in prof.events()
+        1
+        for e in prof.events()
         if e.name.startswith("aten::") and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
     )
 
@@ -153,7 +155,11 @@ def machine(device: torch.device) -> dict[str, str]:
         "torch": torch.__version__,
         "triton": triton_version,
         "git commit": _cmd("git", "rev-parse", "HEAD")
-        + (" (kernel sources modified)" if _cmd("git", "status", "--porcelain", "--", "packages/grpo-kernels/src") else ""),
+        + (
+            " (kernel sources modified)"
+            if _cmd("git", "status", "--porcelain", "--", "packages/grpo-kernels/src")
+            else ""
+        ),
     }
     if device.type == "cuda":
         info["driver"] = _cmd("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader")
@@ -170,14 +176,18 @@ def compile_or_none(fn: Callable, **kwargs):
     return compiled, None
 
 
-def write_results(stem: str, title: str, info: dict, ceiling: dict, rows: list[dict], columns: list[str],
-                  notes: list[str]) -> Path:
+def write_results(
+    stem: str, title: str, info: dict, ceiling: dict, rows: list[dict], columns: list[str], notes: list[str]
+) -> Path:
     """Write benchmarks/results/<stem>.md (table) and <stem>.json (everything)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     lines = [f"# {title}", "", f"Produced on {time.strftime('%Y-%m-%d %H:%M %Z')}.", "", "## Machine and versions", ""]
     lines += [f"- **{k}**: {v}" for k, v in info.items()]
-    lines += [f"- **measured ceilings**: copy {ceiling['copy_GBps']:.1f} GB/s, "
-              f"{ceiling['gemm_dtype']} GEMM {ceiling['gemm_TFLOPs']:.2f} TFLOP/s", ""]
+    lines += [
+        f"- **measured ceilings**: copy {ceiling['copy_GBps']:.1f} GB/s, "
+        f"{ceiling['gemm_dtype']} GEMM {ceiling['gemm_TFLOPs']:.2f} TFLOP/s",
+        "",
+    ]
     lines += notes + ["", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
         lines.append("| " + " | ".join(_fmt(row.get(c, "")) for c in columns) + " |")

@@ -104,9 +104,14 @@ def bench_speed(dists, sizes, python_budget: float) -> list[dict]:
                 cpp_best, cpp_median = timeit(lambda: packer.cpp(lengths, capacity))
                 full_best, _ = timeit(lambda: packing.pack_lengths(lengths, capacity, algorithm, "cpp"), max_repeats=10)
                 row = {
-                    "dist": dist_name, "algorithm": algorithm, "n": n,
-                    "cpp_best": cpp_best, "cpp_median": cpp_median, "full_best": full_best,
-                    "py": None, "py_estimate": None,
+                    "dist": dist_name,
+                    "algorithm": algorithm,
+                    "n": n,
+                    "cpp_best": cpp_best,
+                    "cpp_median": cpp_median,
+                    "full_best": full_best,
+                    "py": None,
+                    "py_estimate": None,
                 }
                 # The twins cost ~ n * bins ~ n^2: predict from the last size that ran.
                 estimate = previous_py[1] * (n / previous_py[0]) ** 2 if previous_py else 0.0
@@ -119,10 +124,12 @@ def bench_speed(dists, sizes, python_budget: float) -> list[dict]:
                 else:
                     row["py_estimate"] = estimate
                 rows.append(row)
-                print(f"{dist_name:14s} {algorithm:13s} n={n:>8d} C++ {cpp_best * 1e3:9.3f} ms  "
-                      f"pack_lengths {full_best * 1e3:9.3f} ms  python "
-                      + (f"{row['py']:.3f} s" if row["py"] is not None else f"skipped (~{estimate:.0f} s)"),
-                      flush=True)
+                print(
+                    f"{dist_name:14s} {algorithm:13s} n={n:>8d} C++ {cpp_best * 1e3:9.3f} ms  "
+                    f"pack_lengths {full_best * 1e3:9.3f} ms  python "
+                    + (f"{row['py']:.3f} s" if row["py"] is not None else f"skipped (~{estimate:.0f} s)"),
+                    flush=True,
+                )
     return rows
 
 
@@ -133,8 +140,13 @@ def bench_quality(dists, sizes) -> list[dict]:
             lengths, capacity = make(n, 0)
             lower = packing.lower_bound_bins(lengths, capacity)
             total = int(lengths.sum())
-            row = {"dist": dist_name, "n": n, "capacity": capacity, "lower": lower,
-                   "large": int((2 * lengths > capacity).sum())}
+            row = {
+                "dist": dist_name,
+                "n": n,
+                "capacity": capacity,
+                "lower": lower,
+                "large": int((2 * lengths > capacity).sum()),
+            }
             for algorithm, packer in packing.PACKERS.items():
                 n_bins = int(packer.cpp(lengths, capacity).max()) + 1
                 row[algorithm] = (n_bins, total / (n_bins * capacity))
@@ -171,7 +183,9 @@ def write_markdown(path: Path, info: dict, speed: list[dict], quality: list[dict
     ]
     for r in speed:
         target = TARGETS_MS.get(r["n"])
-        verdict = "" if target is None else (f"<= {target:g} ms: {'met' if r['cpp_best'] * 1e3 <= target else 'MISSED'}")
+        verdict = (
+            "" if target is None else (f"<= {target:g} ms: {'met' if r['cpp_best'] * 1e3 <= target else 'MISSED'}")
+        )
         if r["py"] is not None:
             py, ratio = fmt_ms(r["py"]), f"{r['py'] / r['cpp_best']:,.0f}x"
         else:
@@ -193,7 +207,11 @@ def write_markdown(path: Path, info: dict, speed: list[dict], quality: list[dict
     ]
     for r in quality:
         cells = [f"{r[a][0]:,} ({r[a][1]:.2%}, +{r[a][0] - r['lower']})" for a in packing.PACKERS]
-        lines.append(f"| {r['dist']} | {r['n']:,} | {r['capacity']:,} | {r['large']:,} | {r['lower']:,} | " + " | ".join(cells) + " |")
+        lines.append(
+            f"| {r['dist']} | {r['n']:,} | {r['capacity']:,} | {r['large']:,} | {r['lower']:,} | "
+            + " | ".join(cells)
+            + " |"
+        )
     lines.append("")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))

@@ -34,7 +34,10 @@ def bad_casts(t: torch.Tensor) -> dict[str, torch.Tensor]:
     """fp32: rounded to bf16. bf16: bytes read as fp16 (a mislabelled bucket), and fp8 e4m3 round trip."""
     if t.dtype == torch.float32:
         return {"bad_cast_bf16": t.to(torch.bfloat16).float()}
-    return {"bad_cast_view_fp16": t.view(torch.float16).to(t.dtype), "bad_cast_fp8": t.to(torch.float8_e4m3fn).to(t.dtype)}
+    return {
+        "bad_cast_view_fp16": t.view(torch.float16).to(t.dtype),
+        "bad_cast_fp8": t.to(torch.float8_e4m3fn).to(t.dtype),
+    }
 
 
 def prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
@@ -57,20 +60,39 @@ def train_batch(rollouts, pad: int = 0) -> dict[str, torch.Tensor]:
         token_mask[i, p : len(s)] = 1
         gen[i, p : len(s)] = torch.tensor(r.response_logprobs)
     adv = torch.randn(B, generator=torch.Generator().manual_seed(0))
-    return {"input_ids": ids, "attention_mask": mask, "token_mask": token_mask, "gen_logprobs": gen,
-            "advantages": adv[:, None] * token_mask, "sample_mask": torch.ones(B)}
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "token_mask": token_mask,
+        "gen_logprobs": gen,
+        "advantages": adv[:, None] * token_mask,
+        "sample_mask": torch.ones(B),
+    }
 
 
-def measure(trainer_precision: str, engine_precision: str, lr: float, n_prompts: int, seed: int,
-            steps: tuple[int, ...], dump=None) -> list[dict]:
+def measure(
+    trainer_precision: str,
+    engine_precision: str,
+    lr: float,
+    n_prompts: int,
+    seed: int,
+    steps: tuple[int, ...],
+    dump=None,
+) -> list[dict]:
     from transformers import AutoTokenizer
 
     path = str(builtin_model_path("arith-tiny"))
     tok = AutoTokenizer.from_pretrained(path)
-    cfg = PolicyConfig(precision=trainer_precision, train_global_batch_size=64, train_micro_batch_size=64,
-                       logprob_batch_size=64, use_fused_kernels=False, max_grad_norm=1.0,
-                       optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": lr, "weight_decay": 0.0}},
-                       generation={"temperature": 1.0})
+    cfg = PolicyConfig(
+        precision=trainer_precision,
+        train_global_batch_size=64,
+        train_micro_batch_size=64,
+        logprob_batch_size=64,
+        use_fused_kernels=False,
+        max_grad_norm=1.0,
+        optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": lr, "weight_decay": 0.0}},
+        generation={"temperature": 1.0},
+    )
     worker = PolicyWorker(path, cfg, LossConfig(reference_policy_kl_penalty=0.0), seed=seed)
     engine = VllmGenerator(path, dtype=engine_precision, max_model_len=32, seed=seed, kv_cache_space_gb=0.25)
     before = {k: v.clone() for k, v in worker.weights().items()}  # in-process weights() are the live tensors
@@ -98,11 +120,23 @@ def measure(trainer_precision: str, engine_precision: str, lr: float, n_prompts:
             engine.update_weights(weights, version)
             generated = engine.score(seqs, plens)
             stats = refit_stats(trainer, generated)
-            out.append({"seed": seed, "diffs": [[a - b for a, b in zip(x, y)] for x, y in zip(trainer, generated)],
-                        "trainer": trainer_precision, "engine": engine_precision, "steps": step, "case": case,
-                        "lr": lr, "tokens": stats.tokens, "max_abs_diff": stats.max_abs_diff,
-                        "mean_abs_diff": stats.mean_abs_diff, "token_mult_prob_error": stats.token_mult_prob_error,
-                        "gen_kl_error": stats.gen_kl_error, "seq_logratio_rms": stats.seq_logratio_rms})
+            out.append(
+                {
+                    "seed": seed,
+                    "diffs": [[a - b for a, b in zip(x, y)] for x, y in zip(trainer, generated)],
+                    "trainer": trainer_precision,
+                    "engine": engine_precision,
+                    "steps": step,
+                    "case": case,
+                    "lr": lr,
+                    "tokens": stats.tokens,
+                    "max_abs_diff": stats.max_abs_diff,
+                    "mean_abs_diff": stats.mean_abs_diff,
+                    "token_mult_prob_error": stats.token_mult_prob_error,
+                    "gen_kl_error": stats.gen_kl_error,
+                    "seq_logratio_rms": stats.seq_logratio_rms,
+                }
+            )
             print(json.dumps({k: v for k, v in out[-1].items() if k != "diffs"}), flush=True)
             if dump is not None:
                 dump.write(json.dumps(out[-1]) + "\n")

@@ -39,9 +39,17 @@ def run(rank: int, world: int, case: str, port: int, failures) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
-                      tie_word_embeddings=True)
+    cfg = Qwen2Config(
+        vocab_size=64,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+    )
     cfg._attn_implementation = "sdpa"
     model = Qwen2ForCausalLM(cfg).eval()
     ids = torch.randint(3, 64, (1, S), generator=torch.Generator().manual_seed(1))
@@ -58,8 +66,9 @@ def run(rank: int, world: int, case: str, port: int, failures) -> None:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     ids_cp, positions_cp = ids.clone(), positions.clone()
     try:
-        with context_parallel(mesh, buffers=[ids_cp, positions_cp], buffer_seq_dims=[1, 1],
-                              no_restore_buffers={ids_cp, positions_cp}):
+        with context_parallel(
+            mesh, buffers=[ids_cp, positions_cp], buffer_seq_dims=[1, 1], no_restore_buffers={ids_cp, positions_cp}
+        ):
             with sdpa_kernel([SDPBackend.MATH]) if case == "math" else nullcontext():
                 logits = model(input_ids=ids_cp, position_ids=positions_cp, attention_mask=None).logits[0]
         diff = float((logits.detach() - reference[positions_cp[0]]).abs().max())
@@ -68,8 +77,10 @@ def run(rank: int, world: int, case: str, port: int, failures) -> None:
         for name, p in model.named_parameters():
             dist.all_reduce(p.grad)
             worst = max(worst, float((p.grad - want[name]).norm() / want[name].norm().clamp_min(1e-30)))
-        print(f"{case} rank {rank}: ran; max |logit diff| vs CP=1 {diff:.2e}; worst gradient rel. diff {worst:.2e}",
-              flush=True)
+        print(
+            f"{case} rank {rank}: ran; max |logit diff| vs CP=1 {diff:.2e}; worst gradient rel. diff {worst:.2e}",
+            flush=True,
+        )
         if not (diff <= TOL and worst <= TOL):
             failures.put(case)
     except Exception as err:  # the measured outcome: print it

@@ -28,10 +28,17 @@ DP, CP = 2, 2
 def cfg(num_workers: int, cp: int):
     from grpo_train.config.schema import DTensorConfig, PolicyConfig
 
-    return PolicyConfig(precision="float32", train_global_batch_size=4, train_micro_batch_size=1, logprob_batch_size=2,
-                        max_grad_norm=1.0, num_workers=num_workers, generation={"temperature": 0.7},
-                        optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.5, "momentum": 0.9}},
-                        dtensor_cfg=DTensorConfig(enabled=False, context_parallel_size=cp))
+    return PolicyConfig(
+        precision="float32",
+        train_global_batch_size=4,
+        train_micro_batch_size=1,
+        logprob_batch_size=2,
+        max_grad_norm=1.0,
+        num_workers=num_workers,
+        generation={"temperature": 0.7},
+        optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.5, "momentum": 0.9}},
+        dtensor_cfg=DTensorConfig(enabled=False, context_parallel_size=cp),
+    )
 
 
 def make_batch() -> dict:
@@ -40,10 +47,14 @@ def make_batch() -> dict:
     attention_mask = (torch.arange(120)[None, :] < lengths[:, None]).long()
     token_mask = attention_mask.float().clone()
     token_mask[:, :8] = 0
-    return {"input_ids": torch.randint(3, 64, (4, 120), generator=g) * attention_mask,
-            "attention_mask": attention_mask, "token_mask": token_mask,
-            "gen_logprobs": -torch.rand(4, 120, generator=g) * token_mask,
-            "advantages": torch.randn(4, 1, generator=g) * token_mask, "sample_mask": torch.ones(4)}
+    return {
+        "input_ids": torch.randint(3, 64, (4, 120), generator=g) * attention_mask,
+        "attention_mask": attention_mask,
+        "token_mask": token_mask,
+        "gen_logprobs": -torch.rand(4, 120, generator=g) * token_mask,
+        "advantages": torch.randn(4, 1, generator=g) * token_mask,
+        "sample_mask": torch.ones(4),
+    }
 
 
 def loss_cfg():
@@ -106,9 +117,11 @@ def main() -> int:
         for rank in range(DP * CP):
             got = outs[rank]
             dp_rank = rank // CP
-            worst["cp ranks' loss (abs.) spread"] = max(worst.get("cp ranks' loss (abs.) spread", 0.0),
-                                          abs(got["metrics"]["loss"] - outs[dp_rank * CP]["metrics"]["loss"]))
-            lp = want["logprobs"][2 * dp_rank: 2 * dp_rank + 2]
+            worst["cp ranks' loss (abs.) spread"] = max(
+                worst.get("cp ranks' loss (abs.) spread", 0.0),
+                abs(got["metrics"]["loss"] - outs[dp_rank * CP]["metrics"]["loss"]),
+            )
+            lp = want["logprobs"][2 * dp_rank : 2 * dp_rank + 2]
             worst["logprobs"] = max(worst.get("logprobs", 0.0), float((got["logprobs"] - lp).norm() / lp.norm()))
             rel = abs(got["metrics"]["grad_norm"] - want["metrics"]["grad_norm"]) / want["metrics"]["grad_norm"]
             worst["grad_norm"] = max(worst.get("grad_norm", 0.0), rel)
@@ -118,8 +131,10 @@ def main() -> int:
                     if float(tensor.norm()) > 1e-9:  # k_proj.bias's gradient is rounding noise (test_fsdp.py)
                         worst[what] = max(worst.get(what, 0.0), rel)
         for key, value in worst.items():
-            print(f"dp {DP} x cp {CP} vs one worker: worst {key}{'' if 'abs.' in key else ' rel. diff'} {value:.2e}",
-                  flush=True)
+            print(
+                f"dp {DP} x cp {CP} vs one worker: worst {key}{'' if 'abs.' in key else ' rel. diff'} {value:.2e}",
+                flush=True,
+            )
         return 0 if all(v <= TOL for v in worst.values()) else 1
 
 

@@ -27,10 +27,20 @@ def tiny_model():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    return Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, pad_token_id=0, tie_word_embeddings=True,
-    )).float()
+    return Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=64,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=128,
+            pad_token_id=0,
+            tie_word_embeddings=True,
+        )
+    ).float()
 
 
 def batch():
@@ -48,8 +58,18 @@ def loss_of(lp, token_mask, advantages, global_tokens, global_seqs):
 
     prev = (lp.detach() + 0.05) * token_mask
     cfg = PGLossConfig(reference_policy_kl_penalty=0.1)
-    loss, _ = clipped_pg_loss(lp, prev, prev, prev - 0.1 * token_mask, advantages[:, None] * token_mask, token_mask,
-                              torch.ones(lp.shape[0]), cfg, global_tokens, global_seqs)
+    loss, _ = clipped_pg_loss(
+        lp,
+        prev,
+        prev,
+        prev - 0.1 * token_mask,
+        advantages[:, None] * token_mask,
+        token_mask,
+        torch.ones(lp.shape[0]),
+        cfg,
+        global_tokens,
+        global_seqs,
+    )
     return loss
 
 
@@ -85,8 +105,11 @@ def rank_main(rank: int, port: int, sp: bool, queue) -> None:
     dist.all_reduce(total, group=mesh["dp"].get_group())
     errors = {"logprobs": rel(lp.detach(), want_lp[rows].detach()), "loss": rel(total, want_loss.detach())}
     for (name, p), (_, q) in zip(model.named_parameters(), plain.named_parameters(), strict=True):
-        errors[f"grad {name}"] = float((fsdp.full(p.grad) - q.grad).norm() / q.grad.norm().clamp_min(1e-12)) \
-            if float(q.grad.norm()) > 1e-9 else float((fsdp.full(p.grad) - q.grad).norm())
+        errors[f"grad {name}"] = (
+            float((fsdp.full(p.grad) - q.grad).norm() / q.grad.norm().clamp_min(1e-12))
+            if float(q.grad.norm()) > 1e-9
+            else float((fsdp.full(p.grad) - q.grad).norm())
+        )
     if rank == 0:
         queue.put(errors)
     dist.destroy_process_group()
@@ -102,8 +125,10 @@ def main() -> int:
     mp.spawn(rank_main, args=(29600 + os.getpid() % 1000, args.sp, queue), nprocs=4)
     errors = queue.get()
     worst = max(errors, key=lambda k: errors[k])
-    print(f"dp=2 x tp=2 (sp={args.sp}) vs one unsharded model: {len(errors)} quantities, "
-          f"largest relative difference {errors[worst]:.2e} ({worst})")
+    print(
+        f"dp=2 x tp=2 (sp={args.sp}) vs one unsharded model: {len(errors)} quantities, "
+        f"largest relative difference {errors[worst]:.2e} ({worst})"
+    )
     for name in ("logprobs", "loss"):
         print(f"  {name}: {errors[name]:.2e}")
     return 0 if errors[worst] <= RTOL else 1

@@ -43,16 +43,25 @@ def main() -> int:
     from grpo_train.setup import start_local_head
 
     torch.set_num_threads(1)
-    start_local_head(lambda: ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-                                      configure_logging=False), ray.shutdown)
+    start_local_head(
+        lambda: ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False),
+        ray.shutdown,
+    )
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
         model = f"{tmp}/model"
         build_tiny_model(model)
-        cfg = PolicyConfig(precision="float32", train_global_batch_size=6, train_micro_batch_size=3,
-                           logprob_batch_size=3, max_grad_norm=1.0, num_workers=2,
-                           optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.5, "momentum": 0.9}},
-                           dtensor_cfg=DTensorConfig(tensor_parallel_size=2), generation={"temperature": TEMPERATURE})
+        cfg = PolicyConfig(
+            precision="float32",
+            train_global_batch_size=6,
+            train_micro_batch_size=3,
+            logprob_batch_size=3,
+            max_grad_norm=1.0,
+            num_workers=2,
+            optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.5, "momentum": 0.9}},
+            dtensor_cfg=DTensorConfig(tensor_parallel_size=2),
+            generation={"temperature": TEMPERATURE},
+        )
         start = time.perf_counter()
         group = PolicyGroup(model, cfg, LOSS, ClusterConfig(), seed=0, num_threads=1)
         start_weights = group.weights()
@@ -61,16 +70,22 @@ def main() -> int:
         group.train({**batch, "prev_logprobs": lp[0], "ref_logprobs": lp[1]})
         print(f"TP=2 trainer up and one step taken: {time.perf_counter() - start:.0f} s", flush=True)
         start = time.perf_counter()
-        engine = VllmGenerator(model, tensor_parallel_size=2, max_model_len=256, kv_cache_space_gb=0.25,
-                               temperature_for_logprobs=TEMPERATURE)
+        engine = VllmGenerator(
+            model,
+            tensor_parallel_size=2,
+            max_model_len=256,
+            kv_cache_space_gb=0.25,
+            temperature_for_logprobs=TEMPERATURE,
+        )
         print(f"TP=2 vLLM engine up: {time.perf_counter() - start:.0f} s", flush=True)
         try:
             seqs = [[3 + (7 * i + 5 * j) % 60 for i in range(40 + 9 * j)] for j in range(4)]
             plens = [len(s) - 12 for s in seqs]
             trainer = group.score(seqs, plens)
             local = InProcess(engine)
-            for version, transport in enumerate((ObjectStoreTransport(BUCKET_BYTES), CollectiveTransport(BUCKET_BYTES)),
-                                                start=1):
+            for version, transport in enumerate(
+                (ObjectStoreTransport(BUCKET_BYTES), CollectiveTransport(BUCKET_BYTES)), start=1
+            ):
                 engine.update_weights(start_weights, 10 * version)
                 stale = refit_stats(trainer, engine.score(seqs, plens))
                 ok &= stale.max_abs_diff > 0.05
@@ -81,9 +96,12 @@ def main() -> int:
                 seconds = time.perf_counter() - start
                 try:
                     stats = gate_refit(trainer, engine.score(seqs, plens), DEFAULT_LIMITS["float32"])
-                    print(f"{transport.name}: before the push max |dlogprob| {stale.max_abs_diff:.3f}; after: "
-                          f"{stats.tokens} tokens, max {stats.max_abs_diff:.2e}, mean {stats.mean_abs_diff:.2e} "
-                          f"(push {seconds:.1f} s)", flush=True)
+                    print(
+                        f"{transport.name}: before the push max |dlogprob| {stale.max_abs_diff:.3f}; after: "
+                        f"{stats.tokens} tokens, max {stats.max_abs_diff:.2e}, mean {stats.mean_abs_diff:.2e} "
+                        f"(push {seconds:.1f} s)",
+                        flush=True,
+                    )
                 except Exception as err:  # report it and go on to the next transport
                     ok = False
                     print(f"{transport.name}: FAILED {err}", flush=True)

@@ -32,11 +32,17 @@ CASES = {"fsdp": (4, True, "float32"), "allreduce": (4, None, "float32"), "bf16"
 
 
 def cfg(num_workers: int, tp: int, enabled, precision: str) -> PolicyConfig:
-    return PolicyConfig(precision=precision, train_global_batch_size=8, train_micro_batch_size=2,
-                        logprob_batch_size=2, max_grad_norm=1.0, num_workers=num_workers,
-                        optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.5, "momentum": 0.9}},
-                        dtensor_cfg=DTensorConfig(enabled=enabled, tensor_parallel_size=tp),
-                        generation={"temperature": 0.7})
+    return PolicyConfig(
+        precision=precision,
+        train_global_batch_size=8,
+        train_micro_batch_size=2,
+        logprob_batch_size=2,
+        max_grad_norm=1.0,
+        num_workers=num_workers,
+        optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.5, "momentum": 0.9}},
+        dtensor_cfg=DTensorConfig(enabled=enabled, tensor_parallel_size=tp),
+        generation={"temperature": 0.7},
+    )
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -64,8 +70,11 @@ def run(case: str, model_dir: str, folder: str) -> float:
     finally:
         group.close()
     worst = max(errors.values())
-    print(f"{case}: {workers} ranks, tp 2, dtensor_cfg.enabled={enabled}, {precision}: "
-          + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()), flush=True)
+    print(
+        f"{case}: {workers} ranks, tp 2, dtensor_cfg.enabled={enabled}, {precision}: "
+        + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()),
+        flush=True,
+    )
     return worst
 
 
@@ -73,8 +82,10 @@ def main() -> int:
     cases = sys.argv[1:] or list(CASES)
     from grpo_train.setup import start_local_head
 
-    start_local_head(lambda: ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-                                      configure_logging=False), ray.shutdown)
+    start_local_head(
+        lambda: ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False),
+        ray.shutdown,
+    )
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
         build_tiny_model(f"{tmp}/model")

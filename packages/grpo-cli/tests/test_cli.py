@@ -13,7 +13,9 @@ from grpo_cli.configs import CONFIG_DIR
 
 
 def grpo(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "grpo_cli.main", *args], capture_output=True, text=True, cwd=cwd, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "grpo_cli.main", *args], capture_output=True, text=True, cwd=cwd, timeout=120
+    )
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in CONFIG_DIR.glob("*.yaml")))
@@ -54,10 +56,15 @@ def test_show_prints_resolved_yaml_with_overrides(tmp_path):
         (["config", "validate", "grpo_math_1B.yaml", "grpo.sed=1"], "grpo.sed: unknown key in override"),
         (["config", "validate", "grpo_math_1B.yaml", "grpo.seed=[1"], "grpo.seed"),
         (["config", "validate", "no_such_config.yaml"], "config file not found"),
-        (["config", "validate", "grpo_math_1B.yaml", "policy.generation.temperature=hot"], "policy.generation.temperature"),
+        (
+            ["config", "validate", "grpo_math_1B.yaml", "policy.generation.temperature=hot"],
+            "policy.generation.temperature",
+        ),
         (["train", "--config", "grpo_math_1B.yaml", "loss_fn.ratio_clip_c=0.5"], "ratio_clip_c must be > 1"),
-        (["config", "validate", "grpo_math_1B.yaml", "loss_fn.use_cispo=true", "loss_fn.ratio_clip_c=3"],
-         "loss_fn.use_cispo: the dual clip"),
+        (
+            ["config", "validate", "grpo_math_1B.yaml", "loss_fn.use_cispo=true", "loss_fn.ratio_clip_c=3"],
+            "loss_fn.use_cispo: the dual clip",
+        ),
     ],
 )
 def test_config_errors_are_one_line_exit_2(args, words, tmp_path):
@@ -85,8 +92,10 @@ def test_circular_defaults_exit_2(tmp_path):
 
 # `config validate` builds the optimizer and scheduler on a dummy parameter (grpo_train.config.checks),
 # so it imports torch; nothing else heavy.
-@pytest.mark.parametrize("args, allowed", [(["--help"], ""), (["config", "validate", "grpo_math_1B.yaml"], "torch"),
-                                           (["config", "show"], "")])
+@pytest.mark.parametrize(
+    "args, allowed",
+    [(["--help"], ""), (["config", "validate", "grpo_math_1B.yaml"], "torch"), (["config", "show"], "")],
+)
 def test_help_and_validation_import_nothing_heavy(args, allowed):
     code = (
         "import sys\nfrom grpo_cli.main import main\n"

@@ -27,6 +27,8 @@ def test_demo_reuses_prev_logprobs_from_the_training_forward():
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(4, policy.max_total_sequence_length + 1, (rows,), generator=g)
     width = int(lengths.max())
-    batch = {"input_ids": torch.randint(0, 32, (rows, width), generator=g),
-             "attention_mask": (torch.arange(width)[None, :] < lengths[:, None]).long()}
+    batch = {
+        "input_ids": torch.randint(0, 32, (rows, width), generator=g),
+        "attention_mask": (torch.arange(width)[None, :] < lengths[:, None]).long(),
+    }
     assert worker.reuses_prev(batch, rows)

@@ -47,7 +47,9 @@ BAD_LINES = [
 
 
 def _write(path, bad_line: str | bytes):
-    lines = [json.dumps(r).encode() for r in GOOD[:2]] + [bad_line if isinstance(bad_line, bytes) else bad_line.encode()]
+    lines = [json.dumps(r).encode() for r in GOOD[:2]] + [
+        bad_line if isinstance(bad_line, bytes) else bad_line.encode()
+    ]
     lines.append(json.dumps(GOOD[2]).encode())
     path.write_bytes(b"\n".join(lines) + b"\n")
     return path
@@ -65,7 +67,9 @@ def _expected_tokens(text: str) -> list[int]:
     return [token_id(c) for c in text]
 
 
-CASES = BAD_LINES + [("invalid UTF-8 bytes", b'{"input": "1+2=\xff\xfe", "output": "3"}', "not UTF-8 text (byte 0xff at column 16)")]
+CASES = BAD_LINES + [
+    ("invalid UTF-8 bytes", b'{"input": "1+2=\xff\xfe", "output": "3"}', "not UTF-8 text (byte 0xff at column 16)")
+]
 
 
 @pytest.mark.parametrize("name, line, words", CASES, ids=[c[0] for c in CASES])

@@ -51,7 +51,10 @@ def test_openmathinstruct2_parquet_with_default_validation_carve(tmp_path, parqu
 
 
 def test_deepscaler_jsonl(tmp_path, jsonl):
-    rows = [{"problem": "Find x if x+1=3.", "solution": "x = 2", "answer": "2"}, {"problem": "1+1", "solution": "", "answer": "2"}]
+    rows = [
+        {"problem": "Find x if x+1=3.", "solution": "x = 2", "answer": "2"},
+        {"problem": "1+1", "solution": "", "answer": "2"},
+    ]
     ds = load_builtin("DeepScaler", data_path=jsonl(tmp_path / "deepscaler.jsonl", rows))
     assert ds.train.rows == [{"problem": "Find x if x+1=3.", "answer": "2"}, {"problem": "1+1", "answer": "2"}]
     assert ds.validation is None
@@ -70,7 +73,10 @@ def test_dapo_math_nested_parquet(tmp_path, parquet):
 
 
 def test_aime2024_repeats(tmp_path, jsonl):
-    rows = [{"id": i, "problem": f"AIME problem {i}", "solution": "...", "answer": str(100 + i), "url": "u", "year": "2024"} for i in range(3)]
+    rows = [
+        {"id": i, "problem": f"AIME problem {i}", "solution": "...", "answer": str(100 + i), "url": "u", "year": "2024"}
+        for i in range(3)
+    ]
     path = jsonl(tmp_path / "aime.jsonl", rows)
     ds = load_builtin("AIME2024", data_path=path)
     assert len(ds) == 3 * 16
@@ -95,7 +101,16 @@ def test_gsm8k_answer_after_hashes(tmp_path, jsonl):
 def test_math500_folder(tmp_path, parquet):
     folder = tmp_path / "MATH-500"
     folder.mkdir()
-    rows = [{"problem": "Compute $1+1$.", "solution": "$2$", "answer": "2", "subject": "Algebra", "level": 1, "unique_id": "test/a.json"}]
+    rows = [
+        {
+            "problem": "Compute $1+1$.",
+            "solution": "$2$",
+            "answer": "2",
+            "subject": "Algebra",
+            "level": 1,
+            "unique_id": "test/a.json",
+        }
+    ]
     parquet(folder / "test.parquet", rows)
     ds = load_builtin("MATH500", data_path=folder)
     assert ds.train.rows == [{"problem": "Compute $1+1$.", "answer": "2"}]

@@ -55,8 +55,10 @@ def test_a_mapping_becomes_the_typed_section():
     assert section.shuffle is False and section.num_workers == 0 and section.max_input_seq_length == 512
     assert section.custom_dataloader is None and section.bad_rows == "refuse"
     assert section.default == DatasetEntry(processor="math")
-    assert section.entries("train") == [("data.train[0]", DatasetEntry(dataset_name="arithmetic", size=5)),
-                                        ("data.train[1]", DatasetEntry(dataset_name="GSM8K"))]
+    assert section.entries("train") == [
+        ("data.train[0]", DatasetEntry(dataset_name="arithmetic", size=5)),
+        ("data.train[1]", DatasetEntry(dataset_name="GSM8K")),
+    ]
     assert section.entries("validation") == [("data.validation", DatasetEntry(dataset_name="AIME2024", repeat=2))]
     assert DataConfig.from_mapping({}).entries("train") == [("data.train", DatasetEntry(dataset_name="arithmetic"))]
     assert DatasetEntry(size=3, seed=None).set_keys() == {"size": 3}

@@ -56,11 +56,18 @@ def test_truncations_are_counted(tokenizer):
 
 def test_strict_truncation_names_the_row(tokenizer, tmp_path, jsonl):
     path = jsonl(tmp_path / "t.jsonl", [{"input": "1", "output": "1"}, {"input": "1234567", "output": "1"}])
-    cfg = {"dataset_name": "ResponseDataset", "data_path": str(path), "processor": "plain",
-           "max_input_seq_length": 4, "on_overlong": "error"}
+    cfg = {
+        "dataset_name": "ResponseDataset",
+        "data_path": str(path),
+        "processor": "plain",
+        "max_input_seq_length": 4,
+        "on_overlong": "error",
+    }
     with pytest.raises(DataError, match=r"t\.jsonl, line 2: item 1 .*7 tokens"):
         build_dataset(DatasetEntry(**cfg), tokenizer)
-    kept = build_dataset(DatasetEntry(**cfg), tokenizer, bad_rows="skip")  # on_overlong: error + skip drops overlong prompts
+    kept = build_dataset(
+        DatasetEntry(**cfg), tokenizer, bad_rows="skip"
+    )  # on_overlong: error + skip drops overlong prompts
     assert len(kept) == 1 and kept.num_skipped == 1 and kept[0].token_ids.tolist() == [token_id("1")]
 
 
@@ -115,5 +122,7 @@ def test_config_errors_name_the_key_path(tokenizer, data_cfg, message):
 def test_validation_part_requires_a_carve(tokenizer):
     with pytest.raises(DataError, match="no validation part"):
         build_dataset(DatasetEntry(dataset_name="arithmetic", size=4), tokenizer, part="validation")
-    val = build_dataset(DatasetEntry(dataset_name="arithmetic", size=10, split_validation_size=3), tokenizer, "validation")
+    val = build_dataset(
+        DatasetEntry(dataset_name="arithmetic", size=10, split_validation_size=3), tokenizer, "validation"
+    )
     assert len(val) == 3

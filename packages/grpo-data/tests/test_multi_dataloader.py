@@ -16,7 +16,9 @@ NUMBERS = [1, 2, 3, 4, 5, 6, 7, 8]
 
 
 def test_documented_interleaving():
-    loader = MultiDataLoader({"letters": LETTERS, "numbers": NUMBERS}, num_prompts_per_dataloader=2, seed=0, shuffle=False)
+    loader = MultiDataLoader(
+        {"letters": LETTERS, "numbers": NUMBERS}, num_prompts_per_dataloader=2, seed=0, shuffle=False
+    )
     assert [next(loader) for _ in range(3)] == [["a", "b", 1, 2], ["c", "d", 3, 4], ["a", "b", 5, 6]]
 
 
@@ -67,7 +69,9 @@ def test_custom_sampler_by_import_path(tmp_path, monkeypatch):
     loader = MultiDataLoader({"a": LETTERS, "b": NUMBERS}, 2, 0, shuffle=False, sampler="my_sampling:first_only")
     assert next(loader) == ["a", "b", "c", "d"]
     short = MultiDataLoader({"a": LETTERS}, 2, 0, sampler="my_sampling:too_few", expected_num_prompts=4)
-    with pytest.raises(DataError, match=r"sampler 'my_sampling:too_few' returned 2 prompts at step 0, expected num_prompts_per_step=4"):
+    with pytest.raises(
+        DataError, match=r"sampler 'my_sampling:too_few' returned 2 prompts at step 0, expected num_prompts_per_step=4"
+    ):
         next(short)
     with pytest.raises(DataError, match="built-in samplers"):
         get_sampler("nope")

@@ -70,4 +70,10 @@ def test_datum_spec_pickles_token_ids_as_arrays_and_rebuilds_tensors():
     for clone in (pickle.loads(payload), copy.deepcopy(datum)):
         assert clone.message_log[0]["token_ids"].dtype == torch.long
         assert clone.token_ids.tolist() == [10, 19, 10, 22]
-        assert (clone.length, clone.loss_multiplier, clone.idx, clone.truncated, clone.dataset_name) == (4, 0.0, 3, True, "d")
+        assert (clone.length, clone.loss_multiplier, clone.idx, clone.truncated, clone.dataset_name) == (
+            4,
+            0.0,
+            3,
+            True,
+            "d",
+        )

@@ -61,7 +61,9 @@ def test_parquet_columns_rows_and_nulls(tmp_path, parquet):
     path = parquet(tmp_path / "d.parquet", [{"q": "1", "a": "2", "other": 1}, {"q": "3", "a": None, "other": 2}])
     with pytest.raises(DataError, match=r"d\.parquet, row 2, key 'a': missing"):
         load_rows(path, QA)
-    with pytest.raises(DataError, match=r"d\.parquet, key 'question': no such column; the file has columns \['q', 'a', 'other'\]"):
+    with pytest.raises(
+        DataError, match=r"d\.parquet, key 'question': no such column; the file has columns \['q', 'a', 'other'\]"
+    ):
         load_rows(path, {"problem": "question", "answer": "a"})
     bad = tmp_path / "bad.parquet"
     bad.write_text("not parquet")
@@ -119,7 +121,10 @@ def test_hub_reader_path_through_datasets_load_dataset(tmp_path, jsonl, monkeypa
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
     folder = tmp_path / "hubcopy"
     folder.mkdir()
-    jsonl(folder / "train.jsonl", [{"question": "1+1", "answer": "2", "extra": 0}, {"question": "2+2", "answer": "4", "extra": 1}])
+    jsonl(
+        folder / "train.jsonl",
+        [{"question": "1+1", "answer": "2", "extra": 0}, {"question": "2+2", "answer": "4", "extra": 1}],
+    )
     rows = list(read_hub(str(folder), None, "train", ["question", "answer"], hint=""))
     assert rows == [(1, {"question": "1+1", "answer": "2"}), (2, {"question": "2+2", "answer": "4"})]
     with pytest.raises(DataError, match=r"key 'problem': no such column; the dataset has columns"):

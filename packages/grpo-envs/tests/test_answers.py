@@ -9,8 +9,19 @@ from grpo_envs.answers import answer_line, canonical_integer, code_block, first_
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("46", "46"), (" 46 </s>", "46"), ("46<|endoftext|>", "46"), ("-12 ", "-12"), ("+007", "7"),
-     ("-0", "0"), ("000", "0"), ("abc", None), ("", None), ("x 5 y 6", "5"), ("1" * 10_000, "1" * 10_000)],
+    [
+        ("46", "46"),
+        (" 46 </s>", "46"),
+        ("46<|endoftext|>", "46"),
+        ("-12 ", "-12"),
+        ("+007", "7"),
+        ("-0", "0"),
+        ("000", "0"),
+        ("abc", None),
+        ("", None),
+        ("x 5 y 6", "5"),
+        ("1" * 10_000, "1" * 10_000),
+    ],
 )
 def test_first_integer(text, expected):
     assert first_integer(text) == expected
@@ -24,9 +35,18 @@ def test_canonical_integer_rejects_non_integers():
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("\\boxed{5}", "5"), ("a \\boxed{1} b \\boxed{2}", "2"), ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
-     ("\\boxed{1} then \\boxed{2", "1"), ("\\fbox{3}", "3"), ("\\boxed {4}", "4"), ("no box", None),
-     ("}}} \\boxed{7} }}", "7"), ("\\boxed{\\boxed{8}}", "8"), ("\\boxed{}", "")],
+    [
+        ("\\boxed{5}", "5"),
+        ("a \\boxed{1} b \\boxed{2}", "2"),
+        ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+        ("\\boxed{1} then \\boxed{2", "1"),
+        ("\\fbox{3}", "3"),
+        ("\\boxed {4}", "4"),
+        ("no box", None),
+        ("}}} \\boxed{7} }}", "7"),
+        ("\\boxed{\\boxed{8}}", "8"),
+        ("\\boxed{}", ""),
+    ],
 )
 def test_last_boxed(text, expected):
     assert last_boxed(text) == expected
@@ -41,8 +61,14 @@ def test_last_boxed_is_linear_on_hostile_input():
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("Answer: 42", "42"), ("work\nAnswer: $\\frac{1}{2}$.", "\\frac{1}{2}"), ("ANSWER: \\(x+1\\)", "x+1"),
-     ("Answer: 1\nAnswer: 2\nbye", "2"), ("Answer:", None), ("nothing", None)],
+    [
+        ("Answer: 42", "42"),
+        ("work\nAnswer: $\\frac{1}{2}$.", "\\frac{1}{2}"),
+        ("ANSWER: \\(x+1\\)", "x+1"),
+        ("Answer: 1\nAnswer: 2\nbye", "2"),
+        ("Answer:", None),
+        ("nothing", None),
+    ],
 )
 def test_answer_line(text, expected):
     assert answer_line(text) == expected
@@ -55,13 +81,15 @@ def test_math_answer_prefers_boxed():
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("```python\nprint(1)\n```", "print(1)\n"),
-     ("```python\na=1\n```\ntext\n```python\nb=2\n```", "b=2\n"),
-     ("```py\nc=3\n```", "c=3\n"),
-     ("```\nd=4\n```", "d=4\n"),
-     ("```python\ne=5\n```\n```bash\nls\n```", "e=5\n"),
-     ("x = 1\nprint(x)", "x = 1\nprint(x)"),
-     ("```python\nunclosed", "```python\nunclosed")],
+    [
+        ("```python\nprint(1)\n```", "print(1)\n"),
+        ("```python\na=1\n```\ntext\n```python\nb=2\n```", "b=2\n"),
+        ("```py\nc=3\n```", "c=3\n"),
+        ("```\nd=4\n```", "d=4\n"),
+        ("```python\ne=5\n```\n```bash\nls\n```", "e=5\n"),
+        ("x = 1\nprint(x)", "x = 1\nprint(x)"),
+        ("```python\nunclosed", "```python\nunclosed"),
+    ],
 )
 def test_code_block(text, expected):
     assert code_block(text) == expected

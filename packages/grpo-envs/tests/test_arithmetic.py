@@ -23,7 +23,9 @@ def test_rewards_and_accuracy():
 def test_negative_and_huge_integers():
     env = grpo_envs.make("arithmetic")
     huge = "9" * 100_000
-    out = env.step(_logs(["-5", huge, huge + "1"]), [{"ground_truth": "-5"}, {"ground_truth": huge}, {"ground_truth": huge}])
+    out = env.step(
+        _logs(["-5", huge, huge + "1"]), [{"ground_truth": "-5"}, {"ground_truth": huge}, {"ground_truth": huge}]
+    )
     assert out.rewards == [1.0, 1.0, 0.0]
     assert len(out.metadata[1]["answer"]) < 300  # metadata is clipped
 

@@ -29,7 +29,9 @@ class _Counting(Environment):
 
 def test_merge_metrics_weights_means_and_sums_counts():
     # chunk 1: 3 samples, accuracy 1/3, 1 timeout; chunk 2: 1 sample, accuracy 1, 2 timeouts
-    merged = _Counting.merge_metrics([({"accuracy": 1 / 3, "timeouts": 1.0}, 3), ({"accuracy": 1.0, "timeouts": 2.0}, 1)])
+    merged = _Counting.merge_metrics(
+        [({"accuracy": 1 / 3, "timeouts": 1.0}, 3), ({"accuracy": 1.0, "timeouts": 2.0}, 1)]
+    )
     assert merged == {"accuracy": pytest.approx(0.5), "timeouts": 3.0}
     # a chunk without metrics (failed samples) does not dilute the mean
     assert _Counting.merge_metrics([({"accuracy": 1.0}, 2), ({}, 5)]) == {"accuracy": 1.0}
@@ -37,8 +39,12 @@ def test_merge_metrics_weights_means_and_sums_counts():
 
 
 def test_response_text_takes_last_assistant_message():
-    log = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a1"},
-           {"role": "environment", "content": "higher"}, {"role": "assistant", "content": "a2"}]
+    log = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "environment", "content": "higher"},
+        {"role": "assistant", "content": "a2"},
+    ]
     assert response_text(log) == "a2"
     assert count_turns(log) == 2
     assert response_text([{"role": "user", "content": "q"}]) is None

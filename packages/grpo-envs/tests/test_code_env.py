@@ -10,8 +10,13 @@ from grpo_envs.code_env import parse_tests, values_equal
 from grpo_envs.sandbox import runner
 
 LIMITS = {"cpu_time_s": 1, "wall_time_s": 4, "memory_mb": 256, "max_processes": 8}
-ADD_TESTS = {"tests": [{"input": "1 2\n", "output": "3\n"}, {"input": "10 -4\n", "output": "6"},
-                       {"input": "0 0", "output": "0\n\n"}]}
+ADD_TESTS = {
+    "tests": [
+        {"input": "1 2\n", "output": "3\n"},
+        {"input": "10 -4\n", "output": "6"},
+        {"input": "0 0", "output": "0\n\n"},
+    ]
+}
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +47,14 @@ def test_stdin_stdout_solutions(env):
 
 
 def test_function_call_solutions(env):
-    info = {"fn_name": "solve", "tests": [{"args": [[3, 1, 2]], "expected": [1, 2, 3]},
-                                          {"args": [[]], "expected": []},
-                                          {"args": [[2.5, 1]], "kwargs": {}, "expected": [1, 2.5000000001]}]}
+    info = {
+        "fn_name": "solve",
+        "tests": [
+            {"args": [[3, 1, 2]], "expected": [1, 2, 3]},
+            {"args": [[]], "expected": []},
+            {"args": [[2.5, 1]], "kwargs": {}, "expected": [1, 2.5000000001]},
+        ],
+    }
     plain = _fenced("def solve(xs):\n    return sorted(xs)")
     leetcode = _fenced("class Solution:\n    def solve(self, xs):\n        return tuple(sorted(xs))")
     wrong = _fenced("def solve(xs):\n    return xs")
@@ -57,8 +67,10 @@ def test_function_call_solutions(env):
 def test_apps_format(env):
     stdin_row = {"input_output": '{"inputs": ["2\\n", "5\\n"], "outputs": ["4\\n", "25\\n"]}'}
     call_row = {"input_output": {"inputs": [[2, 3], [0, 0]], "outputs": [[5], [0]], "fn_name": "add"}}
-    out = env.step(_logs([_fenced("n = int(input())\nprint(n * n)"), _fenced("def add(a, b):\n    return a + b")]),
-                   [stdin_row, call_row])
+    out = env.step(
+        _logs([_fenced("n = int(input())\nprint(n * n)"), _fenced("def add(a, b):\n    return a + b")]),
+        [stdin_row, call_row],
+    )
     assert out.rewards == [1.0, 1.0]
 
 
@@ -121,9 +133,14 @@ def test_bad_tests_are_clear_errors():
 
 
 def test_refuses_to_start_without_the_required_isolation(monkeypatch):
-    monkeypatch.setattr(runner, "_modes", {(False,): runner._Mode(False, {"rlimits": True, "why": "no user namespaces"})})
-    with pytest.raises(ValueError, match="code env: required isolation not available here: mountns, pidns, netns, "
-                                         "seccomp \\(no user namespaces\\); isolation.require"):
+    monkeypatch.setattr(
+        runner, "_modes", {(False,): runner._Mode(False, {"rlimits": True, "why": "no user namespaces"})}
+    )
+    with pytest.raises(
+        ValueError,
+        match="code env: required isolation not available here: mountns, pidns, netns, "
+        "seccomp \\(no user namespaces\\); isolation.require",
+    ):
         grpo_envs.make("code", limits=LIMITS)
     env = grpo_envs.make("code", limits=LIMITS, isolation={"require": []})  # said explicitly: trusted code only
     assert env.step(_logs([_fenced("print(3)")]), [{"tests": [{"output": "3"}]}]).rewards == [1.0]
@@ -143,8 +160,18 @@ def test_response_budget_spans_all_tests():
 
 @pytest.mark.parametrize(
     ("got", "expected", "equal"),
-    [([1, 2], (1, 2), True), (0.1 + 0.2, 0.3, True), (1, 1.0, True), (True, 1, False), ({"a": [1]}, {"a": (1,)}, True),
-     ("1", 1, False), ([1, 2], [2, 1], False), (None, None, True), (1e-12, 0, True), (1.0, 1.001, False)],
+    [
+        ([1, 2], (1, 2), True),
+        (0.1 + 0.2, 0.3, True),
+        (1, 1.0, True),
+        (True, 1, False),
+        ({"a": [1]}, {"a": (1,)}, True),
+        ("1", 1, False),
+        ([1, 2], [2, 1], False),
+        (None, None, True),
+        (1e-12, 0, True),
+        (1.0, 1.001, False),
+    ],
 )
 def test_values_equal(got, expected, equal):
     assert values_equal(got, expected) is equal
@@ -153,7 +180,10 @@ def test_values_equal(got, expected, equal):
 def test_code_env_on_ray(ray_session):
     from grpo_envs.pool import EnvPool
 
-    programs = [_fenced("a, b = map(int, input().split())\nprint(a + b)"), _fenced("import os\nos.system('kill -9 -1')")]
+    programs = [
+        _fenced("a, b = map(int, input().split())\nprint(a + b)"),
+        _fenced("import os\nos.system('kill -9 -1')"),
+    ]
     with EnvPool("code", {"limits": LIMITS}, num_workers=2) as pool:
         out = pool.step(_logs(programs), [ADD_TESTS] * 2)
     assert out.rewards == [1.0, 0.0]

@@ -60,8 +60,17 @@ def test_metrics_over_a_batch():
     assert out.metrics == {"solved": 1.0, "failed": 1.0, "mean_turn": 1.5}
 
 
-@pytest.mark.parametrize(("a", "b", "expected"), [("1", "2", True), ("2", "1", False), ("-5", "3", True),
-                                                   ("-5", "-7", False), ("99", "100", True), ("3", "3", False)])
+@pytest.mark.parametrize(
+    ("a", "b", "expected"),
+    [
+        ("1", "2", True),
+        ("2", "1", False),
+        ("-5", "3", True),
+        ("-5", "-7", False),
+        ("99", "100", True),
+        ("3", "3", False),
+    ],
+)
 def test_less(a, b, expected):
     assert _less(a, b) is expected
 

@@ -40,8 +40,13 @@ class EchoEnv(Environment):
             time.sleep(self.delay_s)
             rewards.append(float(info["value"]))
         n = len(rewards)
-        return EnvOutput(rewards, [None] * n, [True] * n, [{"pid": os.getpid()} for _ in range(n)],
-                         {"mean_reward": sum(rewards) / n, "seen": float(n)})
+        return EnvOutput(
+            rewards,
+            [None] * n,
+            [True] * n,
+            [{"pid": os.getpid()} for _ in range(n)],
+            {"mean_reward": sum(rewards) / n, "seen": float(n)},
+        )
 
     def global_post_process_and_metrics(self, batch_metadata):
         return {"distinct_workers": float(len({m.get("pid") for m in batch_metadata}))}
@@ -198,10 +203,12 @@ def test_env_class_by_import_path_is_imported_in_the_actor(ray_env, tmp_path):
         "        self.bonus = bonus\n"
         "    def step(self, logs, infos):\n"
         "        return single_turn_output([1.0 + self.bonus] * len(logs),\n"
-        "                                  [{'pid': os.getpid(), 'path0': sys.path[0]} for _ in logs], {})\n")
+        "                                  [{'pid': os.getpid(), 'path0': sys.path[0]} for _ in logs], {})\n"
+    )
     try:
-        with EnvPool("where", {"bonus": 0.5}, num_workers=1, env_class="pool_user_env:Where",
-                     import_paths=[str(tmp_path)]) as pool:
+        with EnvPool(
+            "where", {"bonus": 0.5}, num_workers=1, env_class="pool_user_env:Where", import_paths=[str(tmp_path)]
+        ) as pool:
             out = pool.step(*_batch(["a", "b"], [0, 0]))
     finally:
         sys.modules.pop("pool_user_env", None)

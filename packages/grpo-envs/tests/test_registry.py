@@ -43,6 +43,8 @@ def test_errors_name_the_problem():
 
 
 def test_import_is_cheap():
-    code = "import sys, grpo_envs; print(sorted(m for m in ('ray', 'math_verify', 'torch', 'sympy') if m in sys.modules))"
+    code = (
+        "import sys, grpo_envs; print(sorted(m for m in ('ray', 'math_verify', 'torch', 'sympy') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -10,7 +10,7 @@ from grpo_envs import registry
 from grpo_envs.pool import EnvPool
 from grpo_envs.reward_fn import RewardFnEnv, reward_fn_arity
 
-USER_MODULE = '''
+USER_MODULE = """
 from grpo_envs.base import Environment, single_turn_output
 
 def exact(response, env_info):
@@ -39,7 +39,7 @@ class Half(Environment):
 
 class Plain:
     pass
-'''
+"""
 
 
 @pytest.fixture
@@ -56,8 +56,13 @@ def _logs(*responses):
 
 def test_two_argument_function_gets_the_env_info(user_dir):
     path, mod = user_dir
-    pool = EnvPool("scored", {"reward_fn": f"{mod}:exact"}, in_process=True,
-                   env_class="grpo_envs.reward_fn:RewardFnEnv", import_paths=[path])
+    pool = EnvPool(
+        "scored",
+        {"reward_fn": f"{mod}:exact"},
+        in_process=True,
+        env_class="grpo_envs.reward_fn:RewardFnEnv",
+        import_paths=[path],
+    )
     out = pool.step(_logs("46", " 46 ", "45"), [{"ground_truth": "46"}] * 3)
     assert out.rewards == [1.0, 1.0, 0.0]
     assert out.terminateds == [True] * 3 and out.observations == [None] * 3
@@ -74,14 +79,24 @@ def test_one_argument_function_and_bool_rewards(user_dir):
 
 def test_bad_values_and_raising_functions_score_zero_and_count(user_dir):
     path, mod = user_dir
-    pool = EnvPool("v", {"reward_fn": f"{mod}:bad_value"}, in_process=True,
-                   env_class="grpo_envs.reward_fn:RewardFnEnv", import_paths=[path])
+    pool = EnvPool(
+        "v",
+        {"reward_fn": f"{mod}:bad_value"},
+        in_process=True,
+        env_class="grpo_envs.reward_fn:RewardFnEnv",
+        import_paths=[path],
+    )
     out = pool.step(_logs("ok", "x", "nan"), [{}] * 3)
     assert out.rewards == [0.5, 0.0, 0.0]
     assert out.metrics["env/sample_errors"] == 2.0
     assert "expected a finite float" in out.metadata[1]["error"]
-    pool = EnvPool("b", {"reward_fn": f"{mod}:boom"}, in_process=True,
-                   env_class="grpo_envs.reward_fn:RewardFnEnv", import_paths=[path])
+    pool = EnvPool(
+        "b",
+        {"reward_fn": f"{mod}:boom"},
+        in_process=True,
+        env_class="grpo_envs.reward_fn:RewardFnEnv",
+        import_paths=[path],
+    )
     out = pool.step(_logs("a"), [{}])
     assert out.rewards == [0.0] and "user bug" in out.metadata[0]["error"]
 
@@ -94,6 +109,7 @@ def test_arity_of_signatures():
     def none(): ...
     def three(a, b, c): ...
     def kw_only(r, *, info): ...
+
     assert [reward_fn_arity(f) for f in (one, two, two_default, star)] == [1, 2, 2, 2]
     for f in (none, three, kw_only):
         with pytest.raises(TypeError, match=r"expected \(response: str\) or \(response: str, env_info: dict\)"):

@@ -14,7 +14,11 @@ CONVERSATIONS = [
     [{"role": "user", "content": "what is two plus two"}, {"role": "assistant", "content": "five i think"}],
     [{"role": "user", "content": "say hello"}, {"role": "assistant", "content": "hello hello hello hello hello world"}],
     [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}],
-    [{"role": "system", "content": "be kind"}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hi there"}],
+    [
+        {"role": "system", "content": "be kind"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hi there"},
+    ],
 ]
 
 
@@ -27,8 +31,9 @@ def model_dir(tmp_path_factory):
     tok = tokenizers.Tokenizer(tokenizers.models.BPE())
     tok.pre_tokenizer = byte_level
     tok.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=320, special_tokens=["<pad>", "</s>"],
-                                             initial_alphabet=byte_level.alphabet())
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<pad>", "</s>"], initial_alphabet=byte_level.alphabet()
+    )
     corpus = [f"{m['role']}: {m['content']}" for log in CONVERSATIONS for m in log] * 5
     tok.train_from_iterator(corpus, trainer)
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>")
@@ -36,8 +41,15 @@ def model_dir(tmp_path_factory):
     vocab = tok.get_vocab()
     torch.manual_seed(0)
     config = transformers.Qwen2Config(
-        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, num_labels=1, pad_token_id=vocab["<pad>"],
+        vocab_size=len(vocab),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        num_labels=1,
+        pad_token_id=vocab["<pad>"],
     )
     transformers.Qwen2ForSequenceClassification(config).save_pretrained(folder)
     return folder
@@ -91,6 +103,8 @@ def test_missing_model_is_a_clear_error(tmp_path):
 def test_reward_model_on_a_ray_actor(ray_session, model_dir):
     from grpo_envs.pool import EnvPool
 
-    with EnvPool("reward_model", {"model_name_or_path": str(model_dir), "batch_size": 4, "device": "cpu"}, num_workers=1) as pool:
+    with EnvPool(
+        "reward_model", {"model_name_or_path": str(model_dir), "batch_size": 4, "device": "cpu"}, num_workers=1
+    ) as pool:
         out = pool.step(CONVERSATIONS, [{}] * len(CONVERSATIONS))
     assert out.rewards == pytest.approx(_reference_scores(model_dir), abs=1e-5)

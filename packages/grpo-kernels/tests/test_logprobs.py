@@ -29,7 +29,9 @@ def tolerance(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("T, V, block_v, programs", [(1, 37, 16, None), (7, 37, 16, 3), (5, 64, 64, None), (4, 13, 4, 2)])
+@pytest.mark.parametrize(
+    "T, V, block_v, programs", [(1, 37, 16, None), (7, 37, 16, 3), (5, 64, 64, None), (4, 13, 4, 2)]
+)
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_forward_matches_reference(dtype, T, V, block_v, programs, temperature):
     logits, targets = make(T, V, dtype, n_ignored=T // 3)

@@ -25,25 +25,52 @@ def test_defaults_are_nemo_rl_defaults():
     "kwargs, field",
     [
         (dict(sequence_level_importance_ratios=True), "sequence_level_importance_ratios"),
-        (dict(truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=2.0),
-         "truncated_importance_sampling_type"),
+        (
+            dict(truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=2.0),
+            "truncated_importance_sampling_type",
+        ),
         (dict(ratio_clip_c=1.0), "ratio_clip_c"),
         (dict(ratio_clip_c=0.5), "ratio_clip_c"),
         (dict(reference_policy_kl_type="k4"), "reference_policy_kl_type"),
-        (dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="clip",
-              truncated_importance_sampling_ratio=2.0), "truncated_importance_sampling_type"),
-        (dict(use_importance_sampling_correction=True, truncated_importance_sampling_ratio=2.0),
-         "truncated_importance_sampling_ratio"),
-        (dict(use_importance_sampling_correction=True, truncated_importance_sampling_ratio_min=0.5),
-         "truncated_importance_sampling_ratio_min"),
-        (dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="tis"),
-         "truncated_importance_sampling_ratio"),
-        (dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="icepop",
-              truncated_importance_sampling_ratio=0.5, truncated_importance_sampling_ratio_min=2.0),
-         "truncated_importance_sampling_ratio_min"),
-        (dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="seq-mask-tis",
-              truncated_importance_sampling_ratio=2.0, token_level_loss=False,
-              sequence_level_importance_ratios=True), "truncated_importance_sampling_type"),
+        (
+            dict(
+                use_importance_sampling_correction=True,
+                truncated_importance_sampling_type="clip",
+                truncated_importance_sampling_ratio=2.0,
+            ),
+            "truncated_importance_sampling_type",
+        ),
+        (
+            dict(use_importance_sampling_correction=True, truncated_importance_sampling_ratio=2.0),
+            "truncated_importance_sampling_ratio",
+        ),
+        (
+            dict(use_importance_sampling_correction=True, truncated_importance_sampling_ratio_min=0.5),
+            "truncated_importance_sampling_ratio_min",
+        ),
+        (
+            dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="tis"),
+            "truncated_importance_sampling_ratio",
+        ),
+        (
+            dict(
+                use_importance_sampling_correction=True,
+                truncated_importance_sampling_type="icepop",
+                truncated_importance_sampling_ratio=0.5,
+                truncated_importance_sampling_ratio_min=2.0,
+            ),
+            "truncated_importance_sampling_ratio_min",
+        ),
+        (
+            dict(
+                use_importance_sampling_correction=True,
+                truncated_importance_sampling_type="seq-mask-tis",
+                truncated_importance_sampling_ratio=2.0,
+                token_level_loss=False,
+                sequence_level_importance_ratios=True,
+            ),
+            "truncated_importance_sampling_type",
+        ),
         (dict(ratio_clip_min=1.0), "ratio_clip_min"),
         (dict(reference_policy_kl_penalty=-0.1), "reference_policy_kl_penalty"),
         (dict(kl_output_clamp_value=0.0), "kl_output_clamp_value"),
@@ -55,18 +82,24 @@ def test_defaults_are_nemo_rl_defaults():
         (dict(loss_aggregation="seq-mean-token-sum-norm", loss_scale_factor=0), "loss_scale_factor"),
         (dict(loss_scale_factor=512), "loss_scale_factor"),
         # GSPO is a mean over sequences of one term each
-        (dict(sequence_level_importance_ratios=True, loss_aggregation="seq-mean-token-sum"),
-         "sequence_level_importance_ratios"),
-        (dict(sequence_level_importance_ratios=True, loss_aggregation="token-mean"),
-         "sequence_level_importance_ratios"),
+        (
+            dict(sequence_level_importance_ratios=True, loss_aggregation="seq-mean-token-sum"),
+            "sequence_level_importance_ratios",
+        ),
+        (
+            dict(sequence_level_importance_ratios=True, loss_aggregation="token-mean"),
+            "sequence_level_importance_ratios",
+        ),
         # ratio variants
         (dict(use_cispo=True, ratio_clip_c=3.0), "use_cispo"),
         (dict(use_cispo=True, disable_ppo_ratio=True), "use_cispo"),
         (dict(use_cispo=True, token_level_loss=False, sequence_level_importance_ratios=True), "use_cispo"),
         (dict(force_on_policy_ratio=True, disable_ppo_ratio=True), "force_on_policy_ratio"),
         (dict(force_on_policy_ratio=True, use_cispo=True), "force_on_policy_ratio"),
-        (dict(force_on_policy_ratio=True, token_level_loss=False, sequence_level_importance_ratios=True),
-         "force_on_policy_ratio"),
+        (
+            dict(force_on_policy_ratio=True, token_level_loss=False, sequence_level_importance_ratios=True),
+            "force_on_policy_ratio",
+        ),
         (dict(force_on_policy_ratio=True, ratio_clip_c=3.0), "force_on_policy_ratio"),
         (dict(positive_example_nll_weight=-0.1), "positive_example_nll_weight"),
     ],
@@ -80,8 +113,12 @@ def test_refusals_name_the_field(kwargs, field):
 def test_accepted_combinations():
     PGLossConfig(token_level_loss=False, sequence_level_importance_ratios=True)
     PGLossConfig(ratio_clip_c=3.0, reference_policy_kl_penalty=0.0, disable_ppo_ratio=True)
-    PGLossConfig(use_importance_sampling_correction=True, truncated_importance_sampling_type="icepop",
-                 truncated_importance_sampling_ratio=5.0, truncated_importance_sampling_ratio_min=0.5)
+    PGLossConfig(
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_type="icepop",
+        truncated_importance_sampling_ratio=5.0,
+        truncated_importance_sampling_ratio_min=0.5,
+    )
     PGLossConfig(kl_input_clamp_value=None, kl_output_clamp_value=None)
     PGLossConfig(loss_aggregation="seq-mean-token-sum-norm", loss_scale_factor=512, token_level_loss=False)
     PGLossConfig(use_cispo=True, loss_aggregation="seq-mean-token-sum-norm", loss_scale_factor=8)

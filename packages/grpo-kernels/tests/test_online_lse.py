@@ -28,9 +28,21 @@ IGNORE = -100
 def harness(tmp_path_factory) -> Path:
     exe = tmp_path_factory.mktemp("online_lse") / "harness"
     subprocess.run(
-        [CXX, "-std=c++17", "-O2", "-Wall", "-Wextra", "-Werror", f"-I{HEADER_DIR}",
-         str(HERE / "online_lse_harness.cpp"), "-o", str(exe)],
-        check=True, capture_output=True, timeout=120,
+        [
+            CXX,
+            "-std=c++17",
+            "-O2",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            f"-I{HEADER_DIR}",
+            str(HERE / "online_lse_harness.cpp"),
+            "-o",
+            str(exe),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
     )
     return exe
 
@@ -39,8 +51,14 @@ def run_harness(exe, acc, threads, vec, temperature, logits, targets, g_lp, g_en
     lines = [str(len(logits))]
     for row, t, a, b in zip(logits.tolist(), targets.tolist(), g_lp.tolist(), g_ent.tolist()):
         lines.append(f"{len(row)} {t} {a!r} {b!r} " + " ".join(repr(v) for v in row))
-    out = subprocess.run([str(exe), acc, str(threads), str(vec), repr(temperature)], input="\n".join(lines),
-                         capture_output=True, text=True, check=True, timeout=60).stdout
+    out = subprocess.run(
+        [str(exe), acc, str(threads), str(vec), repr(temperature)],
+        input="\n".join(lines),
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
     values = torch.tensor([[float(v) for v in line.split()] for line in out.splitlines()], dtype=torch.float64)
     return values[:, 0], values[:, 1], values[:, 2:]
 

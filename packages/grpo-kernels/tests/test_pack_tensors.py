@@ -195,7 +195,10 @@ def test_padded_path_through_triton_kernels(monkeypatch):
     assert torch.equal(packed.flat, reference.flat)
     (packed.flat * torch.arange(8.0)[:, None]).sum().backward()
     assert torch.equal(x.grad, expected_grad)
-    assert torch.equal(unpack_padded(packed.flat.detach(), packed.cu_seqlens, 5), x.detach() * (torch.arange(5)[None, :, None] < torch.tensor(lengths)[:, None, None]))
+    assert torch.equal(
+        unpack_padded(packed.flat.detach(), packed.cu_seqlens, 5),
+        x.detach() * (torch.arange(5)[None, :, None] < torch.tensor(lengths)[:, None, None]),
+    )
 
 
 # ------------------------------------------------------------------------------------------

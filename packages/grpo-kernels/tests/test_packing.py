@@ -134,7 +134,16 @@ def random_case(rng: random.Random) -> tuple[list[int], int]:
     if style == 0:
         lengths = [rng.randint(0, capacity) for _ in range(n)]
     elif style == 1:
-        edges = [0, capacity, capacity // 2, capacity // 2 + 1, capacity // 3, capacity // 3 + 1, capacity // 6, capacity // 6 + 1]
+        edges = [
+            0,
+            capacity,
+            capacity // 2,
+            capacity // 2 + 1,
+            capacity // 3,
+            capacity // 3 + 1,
+            capacity // 6,
+            capacity // 6 + 1,
+        ]
         lengths = [min(capacity, rng.choice(edges)) for _ in range(n)]
     elif style == 2:
         lengths = [rng.randint(capacity // 7, capacity // 2 + 1) for _ in range(n)]

@@ -22,8 +22,20 @@ def t(rows, dtype=F64):
     return torch.tensor(rows, dtype=dtype)
 
 
-def run(cfg, curr, prev, gen=None, ref=None, adv=None, token_mask=None, sample_mask=None,
-        g_tok=None, g_seq=None, cu_seqlens=None, impl=R.clipped_pg_loss):
+def run(
+    cfg,
+    curr,
+    prev,
+    gen=None,
+    ref=None,
+    adv=None,
+    token_mask=None,
+    sample_mask=None,
+    g_tok=None,
+    g_seq=None,
+    cu_seqlens=None,
+    impl=R.clipped_pg_loss,
+):
     """-> loss, metrics (as floats), d loss / d curr. Rows are [B, S] lists (or [T] + cu)."""
     curr = t(curr).requires_grad_()
     prev = t(prev)
@@ -39,8 +51,7 @@ def run(cfg, curr, prev, gen=None, ref=None, adv=None, token_mask=None, sample_m
     g_tok = int(valid.sum()) if g_tok is None else g_tok
     g_seq = int(sample_mask.sum()) if g_seq is None else g_seq
     cu = None if cu_seqlens is None else torch.tensor(cu_seqlens)
-    loss, metrics = impl(curr, prev, gen, ref, adv, token_mask, sample_mask, PGLossConfig(**cfg),
-                         g_tok, g_seq, cu)
+    loss, metrics = impl(curr, prev, gen, ref, adv, token_mask, sample_mask, PGLossConfig(**cfg), g_tok, g_seq, cu)
     loss.backward()
     return loss.item(), {k: v.item() for k, v in metrics.items()}, curr.grad
 
@@ -96,7 +107,9 @@ def test_dual_clip_with_negative_advantages_by_hand():
     # loss = (3 + 2 - 1.2) / 3
     loss, m, grad = run(
         dict(ratio_clip_c=3.0, **BETA0),
-        curr=[[L(5.0), L(2.0), L(5.0)]], prev=[[0.0, 0.0, 0.0]], adv=[[-1.0, -1.0, 1.0]],
+        curr=[[L(5.0), L(2.0), L(5.0)]],
+        prev=[[0.0, 0.0, 0.0]],
+        adv=[[-1.0, -1.0, 1.0]],
     )
     assert loss == approx(3.8 / 3)
     assert grad.tolist() == [[0.0, approx(2 / 3), 0.0]]
@@ -108,8 +121,9 @@ def test_dual_clip_with_negative_advantages_by_hand():
 # Three tokens with logr = ref - curr = 0.5, 3 and -3; input clamp 2, output clamp 1.5, beta 0.5.
 # These pin the detached KL weight (kl_true_gradient=False); test_pg_loss_variants.py the other.
 KL_CASE = dict(curr=[[0.0, 0.0, 0.0]], prev=[[0.0, 0.0, 0.0]], ref=[[0.5, 3.0, -3.0]])
-KL_CLAMPS = dict(reference_policy_kl_penalty=0.5, kl_input_clamp_value=2.0, kl_output_clamp_value=1.5,
-                 kl_true_gradient=False)
+KL_CLAMPS = dict(
+    reference_policy_kl_penalty=0.5, kl_input_clamp_value=2.0, kl_output_clamp_value=1.5, kl_true_gradient=False
+)
 
 
 @pytest.mark.parametrize(
@@ -148,8 +162,7 @@ def test_on_policy_kl_weight_is_applied_before_the_output_clamp():
 
 IS = dict(use_importance_sampling_correction=True, **BETA0)
 # w = exp(prev - gen) = 3, 0.25, 1; r = 1 and A = 1 on every token, so each token's l = -1.
-IS_CASE = dict(curr=[[0.0, 0.0, 0.0]], prev=[[0.0, 0.0, 0.0]], gen=[[-L(3.0), L(4.0), 0.0]],
-               adv=[[1.0, 1.0, 1.0]])
+IS_CASE = dict(curr=[[0.0, 0.0, 0.0]], prev=[[0.0, 0.0, 0.0]], gen=[[-L(3.0), L(4.0), 0.0]], adv=[[1.0, 1.0, 1.0]])
 
 
 @pytest.mark.parametrize(
@@ -157,14 +170,31 @@ IS_CASE = dict(curr=[[0.0, 0.0, 0.0]], prev=[[0.0, 0.0, 0.0]], gen=[[-L(3.0), L(
     [
         (None, [3.0, 0.25, 1.0], 0.0),
         # tis to [0.5, 2]: 3 -> 2, 0.25 -> 0.5
-        (dict(truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=2.0,
-              truncated_importance_sampling_ratio_min=0.5), [2.0, 0.5, 1.0], 2 / 3),
+        (
+            dict(
+                truncated_importance_sampling_type="tis",
+                truncated_importance_sampling_ratio=2.0,
+                truncated_importance_sampling_ratio_min=0.5,
+            ),
+            [2.0, 0.5, 1.0],
+            2 / 3,
+        ),
         # tis with an upper bound only (NeMo RL's tis): 3 -> 2
-        (dict(truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=2.0),
-         [2.0, 0.25, 1.0], 1 / 3),
+        (
+            dict(truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=2.0),
+            [2.0, 0.25, 1.0],
+            1 / 3,
+        ),
         # icepop to [0.5, 2]: both out-of-bounds tokens are dropped
-        (dict(truncated_importance_sampling_type="icepop", truncated_importance_sampling_ratio=2.0,
-              truncated_importance_sampling_ratio_min=0.5), [0.0, 0.0, 1.0], 2 / 3),
+        (
+            dict(
+                truncated_importance_sampling_type="icepop",
+                truncated_importance_sampling_ratio=2.0,
+                truncated_importance_sampling_ratio_min=0.5,
+            ),
+            [0.0, 0.0, 1.0],
+            2 / 3,
+        ),
     ],
 )
 def test_token_importance_sampling_by_hand(truncation, weights, oob):
@@ -185,10 +215,19 @@ def test_seq_mask_tis_by_hand():
     # seq0: prev - gen = ln 3, -ln 3 -> geometric mean 1 -> kept, token weights 3 and 1/3
     # seq1: prev - gen = ln 4, 0     -> geometric mean 2 > 1.5 -> the whole sequence is dropped
     # l = -1 everywhere: loss = -(3 + 1/3 + 0 + 0) / 4; one of two sequences is out of bounds
-    cfg = dict(IS, truncated_importance_sampling_type="seq-mask-tis",
-               truncated_importance_sampling_ratio=1.5, truncated_importance_sampling_ratio_min=0.5)
-    loss, m, grad = run(cfg, curr=[[0.0, 0.0], [0.0, 0.0]], prev=[[0.0, 0.0], [0.0, 0.0]],
-                        gen=[[-L(3.0), L(3.0)], [-L(4.0), 0.0]], adv=[[1.0, 1.0], [1.0, 1.0]])
+    cfg = dict(
+        IS,
+        truncated_importance_sampling_type="seq-mask-tis",
+        truncated_importance_sampling_ratio=1.5,
+        truncated_importance_sampling_ratio_min=0.5,
+    )
+    loss, m, grad = run(
+        cfg,
+        curr=[[0.0, 0.0], [0.0, 0.0]],
+        prev=[[0.0, 0.0], [0.0, 0.0]],
+        gen=[[-L(3.0), L(3.0)], [-L(4.0), 0.0]],
+        adv=[[1.0, 1.0], [1.0, 1.0]],
+    )
     assert loss == approx(-(3 + 1 / 3) / 4)
     assert grad.tolist() == [[approx(-3 / 4), approx(-1 / 12)], [0.0, 0.0]]
     assert m["is_oob_fraction"] == mapprox(0.5)
@@ -203,8 +242,13 @@ def test_gspo_by_hand():
     # 3 log-ratios), so d l / d curr_t = -A r / 3 = 0.3 for each of the 3 tokens' l; the
     # sequence mean of 3 such l moves by 0.3 too, and / 2 (G_seq) gives 0.15.
     cfg = dict(sequence_level_importance_ratios=True, token_level_loss=False, **BETA0)
-    loss, m, grad = run(cfg, curr=[[L(2.0), 0.0, NAN], [L(0.9)] * 3], prev=[[0.0, 0.0, NAN], [0.0] * 3],
-                        adv=[[1.0, 1.0, NAN], [-1.0] * 3], token_mask=[[1, 1, 0], [1, 1, 1]])
+    loss, m, grad = run(
+        cfg,
+        curr=[[L(2.0), 0.0, NAN], [L(0.9)] * 3],
+        prev=[[0.0, 0.0, NAN], [0.0] * 3],
+        adv=[[1.0, 1.0, NAN], [-1.0] * 3],
+        token_mask=[[1, 1, 0], [1, 1, 1]],
+    )
     assert loss == approx(-0.15)
     assert grad.tolist() == [[0.0, 0.0, 0.0], [approx(0.15)] * 3]
     assert m["ratio_max"] == mapprox(math.sqrt(2)) and m["clipped_ratio_max"] == mapprox(1.2)
@@ -213,8 +257,12 @@ def test_gspo_by_hand():
 
 def test_reinforce_by_hand():
     # r = r_c = curr: l = -A curr = -2 * -1, -1 * -2 = 2, 2 -> loss 2; d/dcurr = -A / 2
-    loss, m, grad = run(dict(disable_ppo_ratio=True, ratio_clip_c=3.0, **BETA0),
-                        curr=[[-1.0, -2.0]], prev=[[-5.0, -5.0]], adv=[[2.0, 1.0]])
+    loss, m, grad = run(
+        dict(disable_ppo_ratio=True, ratio_clip_c=3.0, **BETA0),
+        curr=[[-1.0, -2.0]],
+        prev=[[-5.0, -5.0]],
+        adv=[[2.0, 1.0]],
+    )
     assert loss == approx(2.0)
     assert grad.tolist() == [[approx(-1.0), approx(-0.5)]]
     assert m["clip_fraction"] == 0.0
@@ -223,8 +271,12 @@ def test_reinforce_by_hand():
 def test_token_level_and_sequence_level_reductions_by_hand():
     # r = 1 so l = -A. seq0: one token, A = 2 -> -2. seq1: three tokens, A = -1 -> 1 each.
     # token level: (-2 + 3) / 4 tokens = 0.25; sequence level: (-2 + 1) / 2 sequences = -0.5
-    case = dict(curr=[[0.0, NAN, NAN], [0.0, 0.0, 0.0]], prev=[[0.0, NAN, NAN], [0.0] * 3],
-                adv=[[2.0, 0.0, 0.0], [-1.0] * 3], token_mask=[[1, 0, 0], [1, 1, 1]])
+    case = dict(
+        curr=[[0.0, NAN, NAN], [0.0, 0.0, 0.0]],
+        prev=[[0.0, NAN, NAN], [0.0] * 3],
+        adv=[[2.0, 0.0, 0.0], [-1.0] * 3],
+        token_mask=[[1, 0, 0], [1, 1, 1]],
+    )
     loss_tok, _, grad_tok = run(BETA0, **case)
     loss_seq, _, grad_seq = run(dict(token_level_loss=False, **BETA0), **case)
     assert loss_tok == approx(0.25) and loss_seq == approx(-0.5)
@@ -248,8 +300,7 @@ def test_mismatch_metrics_by_hand():
     assert m["js_divergence_error"] == mapprox(js)
     assert m["approx_entropy"] == mapprox(2 * L(2))
     # With k1 the mismatch KLs are the plain log-ratios.
-    _, m, _ = run(dict(reference_policy_kl_type="k1", **BETA0),
-                  curr=[[L(0.5)]], prev=[[L(0.5)]], gen=[[L(0.25)]])
+    _, m, _ = run(dict(reference_policy_kl_type="k1", **BETA0), curr=[[L(0.5)]], prev=[[L(0.5)]], gen=[[L(0.25)]])
     assert m["gen_kl_error"] == mapprox(-L(2)) and m["policy_kl_error"] == mapprox(L(2))
 
 
@@ -262,8 +313,9 @@ def test_beta_zero_needs_no_reference_and_beta_nonzero_does():
 
 def test_global_counts_make_a_partial_sum():
     # Same tokens as the PPO case, but this micro-batch is 4 of 10 global tokens.
-    loss, m, grad = run(BETA0, curr=[[L(1.5), L(0.5), 0.0, L(1.1)]], prev=[[0.0] * 4],
-                        adv=[[1.0, 1.0, -1.0, -2.0]], g_tok=10)
+    loss, m, grad = run(
+        BETA0, curr=[[L(1.5), L(0.5), 0.0, L(1.1)]], prev=[[0.0] * 4], adv=[[1.0, 1.0, -1.0, -2.0]], g_tok=10
+    )
     assert loss == mapprox(1.5 / 10) and m["ratio_mean"] == mapprox(4.1 / 10)
     assert grad[0, 1].item() == approx(-0.5 / 10)
 
@@ -273,9 +325,18 @@ def test_all_masked_gives_zero_loss_zero_grads_and_empty_extrema(token_level):
     cfg = dict(token_level_loss=token_level, reference_policy_kl_penalty=0.1)
     garbage = [[NAN, -INF, INF], [1e30, NAN, -INF]]
     curr = t(garbage).requires_grad_()
-    loss, m = R.clipped_pg_loss(curr, t(garbage), t(garbage), t(garbage), t(garbage),
-                                torch.tensor([[0, 0, 0], [1, 1, 1]]), torch.tensor([1.0, 0.0]),
-                                PGLossConfig(**cfg), 0, 0)
+    loss, m = R.clipped_pg_loss(
+        curr,
+        t(garbage),
+        t(garbage),
+        t(garbage),
+        t(garbage),
+        torch.tensor([[0, 0, 0], [1, 1, 1]]),
+        torch.tensor([1.0, 0.0]),
+        PGLossConfig(**cfg),
+        0,
+        0,
+    )
     loss.backward()
     assert loss.item() == 0.0 and (curr.grad == 0).all()
     assert m["ratio_min"].item() == INF and m["ratio_max"].item() == -INF
@@ -284,9 +345,13 @@ def test_all_masked_gives_zero_loss_zero_grads_and_empty_extrema(token_level):
 
 def test_all_masked_sequence_among_others_at_sequence_level():
     # seq1 has no valid token: its mean is 0, it still counts in G_seq (= 2, given by the caller)
-    loss, _, grad = run(dict(token_level_loss=False, **BETA0), curr=[[0.0, 0.0], [NAN, NAN]],
-                        prev=[[0.0, 0.0], [NAN, NAN]], adv=[[1.0, 3.0], [NAN, NAN]],
-                        token_mask=[[1, 1], [0, 0]])
+    loss, _, grad = run(
+        dict(token_level_loss=False, **BETA0),
+        curr=[[0.0, 0.0], [NAN, NAN]],
+        prev=[[0.0, 0.0], [NAN, NAN]],
+        adv=[[1.0, 3.0], [NAN, NAN]],
+        token_mask=[[1, 1], [0, 0]],
+    )
     assert loss == approx(-(1 + 3) / 2 / 2)
     assert torch.isfinite(grad).all() and grad[1].tolist() == [0.0, 0.0]
 
@@ -296,31 +361,53 @@ def test_all_masked_sequence_among_others_at_sequence_level():
 # ---------------------------------------------------------------------------------------------
 CONFIGS = {
     "grpo": dict(),
-    "dual_clip_k1_onpolicy": dict(ratio_clip_c=3.0, reference_policy_kl_type="k1",
-                                  use_on_policy_kl_approximation=True, reference_policy_kl_penalty=0.05),
+    "dual_clip_k1_onpolicy": dict(
+        ratio_clip_c=3.0,
+        reference_policy_kl_type="k1",
+        use_on_policy_kl_approximation=True,
+        reference_policy_kl_penalty=0.05,
+    ),
     "k2_seq_level": dict(reference_policy_kl_type="k2", token_level_loss=False, reference_policy_kl_penalty=0.1),
-    "tis": dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="tis",
-                truncated_importance_sampling_ratio=1.5, truncated_importance_sampling_ratio_min=0.7),
-    "icepop": dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="icepop",
-                   truncated_importance_sampling_ratio=1.5, truncated_importance_sampling_ratio_min=0.7),
-    "seq_mask_tis": dict(use_importance_sampling_correction=True, token_level_loss=False,
-                         truncated_importance_sampling_type="seq-mask-tis",
-                         truncated_importance_sampling_ratio=1.2, truncated_importance_sampling_ratio_min=0.8),
-    "gspo": dict(sequence_level_importance_ratios=True, token_level_loss=False,
-                 use_importance_sampling_correction=True),
+    "tis": dict(
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_type="tis",
+        truncated_importance_sampling_ratio=1.5,
+        truncated_importance_sampling_ratio_min=0.7,
+    ),
+    "icepop": dict(
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_type="icepop",
+        truncated_importance_sampling_ratio=1.5,
+        truncated_importance_sampling_ratio_min=0.7,
+    ),
+    "seq_mask_tis": dict(
+        use_importance_sampling_correction=True,
+        token_level_loss=False,
+        truncated_importance_sampling_type="seq-mask-tis",
+        truncated_importance_sampling_ratio=1.2,
+        truncated_importance_sampling_ratio_min=0.8,
+    ),
+    "gspo": dict(
+        sequence_level_importance_ratios=True, token_level_loss=False, use_importance_sampling_correction=True
+    ),
     "reinforce_beta0": dict(disable_ppo_ratio=True, reference_policy_kl_penalty=0.0),
     # Variants (hand cases in test_pg_loss_variants.py)
     "seq_sum": dict(loss_aggregation="seq-mean-token-sum", reference_policy_kl_penalty=0.1),
-    "seq_sum_norm": dict(loss_aggregation="seq-mean-token-sum-norm", loss_scale_factor=16,
-                         use_importance_sampling_correction=True),
+    "seq_sum_norm": dict(
+        loss_aggregation="seq-mean-token-sum-norm", loss_scale_factor=16, use_importance_sampling_correction=True
+    ),
     "cispo": dict(use_cispo=True, ratio_clip_max=0.28, reference_policy_kl_penalty=0.05),
     "force_on_policy": dict(force_on_policy_ratio=True, use_importance_sampling_correction=True),
     "vapo_nll": dict(positive_example_nll_weight=0.1),
-    "gspo_tis": dict(sequence_level_importance_ratios=True, token_level_loss=False,
-                     use_importance_sampling_correction=True, truncated_importance_sampling_type="tis",
-                     truncated_importance_sampling_ratio=1.5, truncated_importance_sampling_ratio_min=0.7),
-    "kl_detached": dict(kl_true_gradient=False, use_on_policy_kl_approximation=True,
-                        reference_policy_kl_penalty=0.05),
+    "gspo_tis": dict(
+        sequence_level_importance_ratios=True,
+        token_level_loss=False,
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_type="tis",
+        truncated_importance_sampling_ratio=1.5,
+        truncated_importance_sampling_ratio_min=0.7,
+    ),
+    "kl_detached": dict(kl_true_gradient=False, use_on_policy_kl_approximation=True, reference_policy_kl_penalty=0.05),
 }
 
 
@@ -339,8 +426,16 @@ def random_batch(B=8, S=7, seed=0, dtype=torch.float32):
     for x in (curr, prev, gen, ref, adv):  # padding holds garbage
         x[~token_mask] = NAN
     cast = lambda x: x.to(dtype)  # noqa: E731
-    return dict(curr=cast(curr), prev=cast(prev), gen=cast(gen), ref=cast(ref), adv=cast(adv),
-                token_mask=token_mask.to(dtype), sample_mask=sample_mask.to(dtype), lengths=lengths)
+    return dict(
+        curr=cast(curr),
+        prev=cast(prev),
+        gen=cast(gen),
+        ref=cast(ref),
+        adv=cast(adv),
+        token_mask=token_mask.to(dtype),
+        sample_mask=sample_mask.to(dtype),
+        lengths=lengths,
+    )
 
 
 def global_counts(batch):
@@ -350,16 +445,37 @@ def global_counts(batch):
 
 def call(impl, batch, cfg, rows, g_tok, g_seq):
     curr = batch["curr"][rows].clone().requires_grad_()
-    loss, metrics = impl(curr, batch["prev"][rows], batch["gen"][rows], batch["ref"][rows],
-                         batch["adv"][rows], batch["token_mask"][rows], batch["sample_mask"][rows],
-                         cfg, g_tok, g_seq)
+    loss, metrics = impl(
+        curr,
+        batch["prev"][rows],
+        batch["gen"][rows],
+        batch["ref"][rows],
+        batch["adv"][rows],
+        batch["token_mask"][rows],
+        batch["sample_mask"][rows],
+        cfg,
+        g_tok,
+        g_seq,
+    )
     loss.backward()
     return loss, metrics, curr.grad
 
 
-SUMMED = ("loss", "actor_loss", "kl_penalty", "ratio_mean", "clipped_ratio_mean", "clip_fraction",
-          "token_mult_prob_error", "gen_kl_error", "policy_kl_error", "js_divergence_error",
-          "sampling_importance_ratio", "approx_entropy", "is_oob_fraction")
+SUMMED = (
+    "loss",
+    "actor_loss",
+    "kl_penalty",
+    "ratio_mean",
+    "clipped_ratio_mean",
+    "clip_fraction",
+    "token_mult_prob_error",
+    "gen_kl_error",
+    "policy_kl_error",
+    "js_divergence_error",
+    "sampling_importance_ratio",
+    "approx_entropy",
+    "is_oob_fraction",
+)
 
 
 def check_micro_batch_invariance(impl, name, n_micro, B=8):
@@ -402,8 +518,19 @@ def check_packed_equals_padded(impl, name):
     loss, metrics, grad = call(impl, batch, cfg, slice(None), g_tok, g_seq)
     packed, idx, cu = to_packed(batch)
     curr = packed["curr"].clone().requires_grad_()
-    p_loss, p_metrics = impl(curr, packed["prev"], packed["gen"], packed["ref"], packed["adv"],
-                             packed["token_mask"], batch["sample_mask"], cfg, g_tok, g_seq, cu)
+    p_loss, p_metrics = impl(
+        curr,
+        packed["prev"],
+        packed["gen"],
+        packed["ref"],
+        packed["adv"],
+        packed["token_mask"],
+        batch["sample_mask"],
+        cfg,
+        g_tok,
+        g_seq,
+        cu,
+    )
     p_loss.backward()
     torch.testing.assert_close(p_loss, loss, rtol=1e-12, atol=1e-12)
     for key in metrics:
@@ -422,9 +549,18 @@ def test_packed_equals_padded(name):
 # ---------------------------------------------------------------------------------------------
 def good_args():
     z = torch.zeros(2, 3)
-    return dict(curr=z.clone(), prev=z.clone(), gen=z.clone(), ref=z.clone(), advantages=z.clone(),
-                token_mask=torch.ones(2, 3), sample_mask=torch.ones(2), config=PGLossConfig(),
-                global_valid_tokens=6, global_valid_seqs=2)
+    return dict(
+        curr=z.clone(),
+        prev=z.clone(),
+        gen=z.clone(),
+        ref=z.clone(),
+        advantages=z.clone(),
+        token_mask=torch.ones(2, 3),
+        sample_mask=torch.ones(2),
+        config=PGLossConfig(),
+        global_valid_tokens=6,
+        global_valid_seqs=2,
+    )
 
 
 @pytest.mark.parametrize(
@@ -452,8 +588,7 @@ def test_bad_input_names_the_argument(change, name):
 
 
 def test_packed_input_needs_cu_seqlens():
-    args = {k: (v.reshape(-1) if isinstance(v, torch.Tensor) and v.dim() == 2 else v)
-            for k, v in good_args().items()}
+    args = {k: (v.reshape(-1) if isinstance(v, torch.Tensor) and v.dim() == 2 else v) for k, v in good_args().items()}
     with pytest.raises(ValueError, match="cu_seqlens"):
         R.clipped_pg_loss(**args)
     args["cu_seqlens"] = torch.tensor([0, 3, 7])
@@ -495,35 +630,90 @@ def test_triton_matches_reference(name, dtype):
 
 @pytest.mark.parametrize(
     "case",
-    ["ppo", "dual_clip", "kl_k1", "kl_k2", "kl_k3", "on_policy_kl", "tis", "icepop", "seq_mask_tis",
-     "reinforce", "sequence_level"],
+    [
+        "ppo",
+        "dual_clip",
+        "kl_k1",
+        "kl_k2",
+        "kl_k3",
+        "on_policy_kl",
+        "tis",
+        "icepop",
+        "seq_mask_tis",
+        "reinforce",
+        "sequence_level",
+    ],
 )
 def test_triton_reproduces_the_hand_cases(case):
     """The hand-computed cases above (exact ties and clamp boundaries included), through Triton."""
     cases = {
-        "ppo": (BETA0, dict(curr=[[NAN, L(1.5), L(0.5), 0.0, L(1.1)]], prev=[[-INF, 0.0, 0.0, 0.0, 0.0]],
-                            adv=[[NAN, 1.0, 1.0, -1.0, -2.0]], token_mask=[[0, 1, 1, 1, 1]])),
-        "dual_clip": (dict(ratio_clip_c=3.0, **BETA0),
-                      dict(curr=[[L(5.0), L(2.0), L(5.0)]], prev=[[0.0] * 3], adv=[[-1.0, -1.0, 1.0]])),
+        "ppo": (
+            BETA0,
+            dict(
+                curr=[[NAN, L(1.5), L(0.5), 0.0, L(1.1)]],
+                prev=[[-INF, 0.0, 0.0, 0.0, 0.0]],
+                adv=[[NAN, 1.0, 1.0, -1.0, -2.0]],
+                token_mask=[[0, 1, 1, 1, 1]],
+            ),
+        ),
+        "dual_clip": (
+            dict(ratio_clip_c=3.0, **BETA0),
+            dict(curr=[[L(5.0), L(2.0), L(5.0)]], prev=[[0.0] * 3], adv=[[-1.0, -1.0, 1.0]]),
+        ),
         "kl_k1": (dict(reference_policy_kl_type="k1", **KL_CLAMPS), KL_CASE),
         "kl_k2": (dict(reference_policy_kl_type="k2", **KL_CLAMPS), KL_CASE),
         "kl_k3": (dict(reference_policy_kl_type="k3", **KL_CLAMPS), KL_CASE),
-        "on_policy_kl": (dict(reference_policy_kl_type="k1", use_on_policy_kl_approximation=True, **KL_CLAMPS),
-                         dict(curr=[[L(4.0), L(4.0)]], prev=[[L(4.0), L(4.0)]], gen=[[0.0, 0.0]],
-                              ref=[[L(4.0) + 0.5, L(4.0) + 0.25]])),
-        "tis": (dict(IS, truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=2.0,
-                     truncated_importance_sampling_ratio_min=0.5), IS_CASE),
-        "icepop": (dict(IS, truncated_importance_sampling_type="icepop", truncated_importance_sampling_ratio=2.0,
-                        truncated_importance_sampling_ratio_min=0.5), IS_CASE),
-        "seq_mask_tis": (dict(IS, truncated_importance_sampling_type="seq-mask-tis",
-                              truncated_importance_sampling_ratio=1.5, truncated_importance_sampling_ratio_min=0.5),
-                         dict(curr=[[0.0, 0.0], [0.0, 0.0]], prev=[[0.0, 0.0], [0.0, 0.0]],
-                              gen=[[-L(3.0), L(3.0)], [-L(4.0), 0.0]], adv=[[1.0, 1.0], [1.0, 1.0]])),
-        "reinforce": (dict(disable_ppo_ratio=True, ratio_clip_c=3.0, **BETA0),
-                      dict(curr=[[-1.0, -2.0]], prev=[[-5.0, -5.0]], adv=[[2.0, 1.0]])),
-        "sequence_level": (dict(token_level_loss=False, **BETA0),
-                           dict(curr=[[0.0, NAN, NAN], [0.0, 0.0, 0.0]], prev=[[0.0, NAN, NAN], [0.0] * 3],
-                                adv=[[2.0, 0.0, 0.0], [-1.0] * 3], token_mask=[[1, 0, 0], [1, 1, 1]])),
+        "on_policy_kl": (
+            dict(reference_policy_kl_type="k1", use_on_policy_kl_approximation=True, **KL_CLAMPS),
+            dict(
+                curr=[[L(4.0), L(4.0)]], prev=[[L(4.0), L(4.0)]], gen=[[0.0, 0.0]], ref=[[L(4.0) + 0.5, L(4.0) + 0.25]]
+            ),
+        ),
+        "tis": (
+            dict(
+                IS,
+                truncated_importance_sampling_type="tis",
+                truncated_importance_sampling_ratio=2.0,
+                truncated_importance_sampling_ratio_min=0.5,
+            ),
+            IS_CASE,
+        ),
+        "icepop": (
+            dict(
+                IS,
+                truncated_importance_sampling_type="icepop",
+                truncated_importance_sampling_ratio=2.0,
+                truncated_importance_sampling_ratio_min=0.5,
+            ),
+            IS_CASE,
+        ),
+        "seq_mask_tis": (
+            dict(
+                IS,
+                truncated_importance_sampling_type="seq-mask-tis",
+                truncated_importance_sampling_ratio=1.5,
+                truncated_importance_sampling_ratio_min=0.5,
+            ),
+            dict(
+                curr=[[0.0, 0.0], [0.0, 0.0]],
+                prev=[[0.0, 0.0], [0.0, 0.0]],
+                gen=[[-L(3.0), L(3.0)], [-L(4.0), 0.0]],
+                adv=[[1.0, 1.0], [1.0, 1.0]],
+            ),
+        ),
+        "reinforce": (
+            dict(disable_ppo_ratio=True, ratio_clip_c=3.0, **BETA0),
+            dict(curr=[[-1.0, -2.0]], prev=[[-5.0, -5.0]], adv=[[2.0, 1.0]]),
+        ),
+        "sequence_level": (
+            dict(token_level_loss=False, **BETA0),
+            dict(
+                curr=[[0.0, NAN, NAN], [0.0, 0.0, 0.0]],
+                prev=[[0.0, NAN, NAN], [0.0] * 3],
+                adv=[[2.0, 0.0, 0.0], [-1.0] * 3],
+                token_mask=[[1, 0, 0], [1, 1, 1]],
+            ),
+        ),
     }
     cfg, inputs = cases[case]
     loss, metrics, grad = run(cfg, **inputs, impl=triton_loss())
@@ -548,14 +738,17 @@ def test_triton_gradcheck_fp64():
     # (On-policy KL is left out: its weight exp(curr - gen) is detached by definition. The KL
     # true gradient is too: its weight exp(curr - sg(curr)) has value 1, so finite differences
     # of the value see only the detached gradient.)
-    cfg = PGLossConfig(ratio_clip_c=3.0, reference_policy_kl_type="k3", reference_policy_kl_penalty=0.1,
-                       kl_true_gradient=False, **{k: v for k, v in CONFIGS["tis"].items()})
+    cfg = PGLossConfig(
+        ratio_clip_c=3.0,
+        reference_policy_kl_type="k3",
+        reference_policy_kl_penalty=0.1,
+        kl_true_gradient=False,
+        **{k: v for k, v in CONFIGS["tis"].items()},
+    )
     batch = random_batch(B=2, S=5, seed=4, dtype=F64)
     args = [batch[k] for k in ("prev", "gen", "ref", "adv", "token_mask", "sample_mask")]
     curr = batch["curr"].clone().requires_grad_()
-    assert torch.autograd.gradcheck(
-        lambda c: K.clipped_pg_loss(c, *args, cfg, 7, 2, block=8)[0], (curr,)
-    )
+    assert torch.autograd.gradcheck(lambda c: K.clipped_pg_loss(c, *args, cfg, 7, 2, block=8)[0], (curr,))
 
 
 def test_triton_all_masked_and_nan_poisoned_outputs(monkeypatch):
@@ -566,6 +759,7 @@ def test_triton_all_masked_and_nan_poisoned_outputs(monkeypatch):
         def make(*args, **kwargs):
             out = fn(*args, **kwargs)
             return out.fill_(NAN) if out.is_floating_point() else out
+
         return make
 
     monkeypatch.setattr(torch, "empty", poisoned(real_empty))

@@ -29,9 +29,13 @@ GSPO = dict(sequence_level_importance_ratios=True, token_level_loss=False, **IS)
 # seq0: 2 tokens, A = +1, prev - gen = ln 2, ln 1.5 -> sequence weight w0 = 2 * 1.5 = 3
 # seq1: 3 tokens, A = -1, prev - gen = -ln 2, 0, 0  -> sequence weight w1 = 0.5
 # curr = prev, so every GSPO ratio is 1 and each token's l = -A: -1 in seq0, +1 in seq1.
-GSPO_CASE = dict(curr=[[0.0, 0.0, NAN], [0.0, 0.0, 0.0]], prev=[[0.0, 0.0, NAN], [0.0, 0.0, 0.0]],
-                 gen=[[-L(2.0), -L(1.5), NAN], [L(2.0), 0.0, 0.0]],
-                 adv=[[1.0, 1.0, NAN], [-1.0, -1.0, -1.0]], token_mask=[[1, 1, 0], [1, 1, 1]])
+GSPO_CASE = dict(
+    curr=[[0.0, 0.0, NAN], [0.0, 0.0, 0.0]],
+    prev=[[0.0, 0.0, NAN], [0.0, 0.0, 0.0]],
+    gen=[[-L(2.0), -L(1.5), NAN], [L(2.0), 0.0, 0.0]],
+    adv=[[1.0, 1.0, NAN], [-1.0, -1.0, -1.0]],
+    token_mask=[[1, 1, 0], [1, 1, 1]],
+)
 
 
 def public(*args, **kwargs):
@@ -46,11 +50,25 @@ def public(*args, **kwargs):
     [
         (None, (3.0, 0.5), 0.0),
         # tis to [0.6, 2]: w0 3 -> 2, w1 0.5 -> 0.6; both sequences were out of bounds
-        (dict(truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=2.0,
-              truncated_importance_sampling_ratio_min=0.6), (2.0, 0.6), 1.0),
+        (
+            dict(
+                truncated_importance_sampling_type="tis",
+                truncated_importance_sampling_ratio=2.0,
+                truncated_importance_sampling_ratio_min=0.6,
+            ),
+            (2.0, 0.6),
+            1.0,
+        ),
         # icepop to [0.4, 2.5]: w0 = 3 is dropped, w1 kept; one of two sequences out of bounds
-        (dict(truncated_importance_sampling_type="icepop", truncated_importance_sampling_ratio=2.5,
-              truncated_importance_sampling_ratio_min=0.4), (0.0, 0.5), 0.5),
+        (
+            dict(
+                truncated_importance_sampling_type="icepop",
+                truncated_importance_sampling_ratio=2.5,
+                truncated_importance_sampling_ratio_min=0.4,
+            ),
+            (0.0, 0.5),
+            0.5,
+        ),
     ],
 )
 @pytest.mark.parametrize("triton", [False, True])
@@ -80,10 +98,14 @@ def test_gspo_sequence_weight_with_clipped_ratio_and_masked_sample():
     # seq1 is sample-masked (w would be 0.5 but it counts nowhere, not in G_seq either).
     # seq2: one token, curr - prev = ln 2 -> r = 2 clipped to 1.2, A = +1: no gradient, l = -1.2;
     #       prev - gen = -ln 4 -> w2 = 0.25.
-    case = dict(curr=[[L(1.44), 0.0], [0.0, 0.0], [L(2.0), NAN]], prev=[[0.0, 0.0], [0.0, 0.0], [0.0, NAN]],
-                gen=[[-L(2.0), -L(1.5)], [L(2.0), 0.0], [L(4.0), NAN]],
-                adv=[[1.0, 1.0], [-1.0, -1.0], [1.0, NAN]], token_mask=[[1, 1], [1, 1], [1, 0]],
-                sample_mask=[1, 0, 1])
+    case = dict(
+        curr=[[L(1.44), 0.0], [0.0, 0.0], [L(2.0), NAN]],
+        prev=[[0.0, 0.0], [0.0, 0.0], [0.0, NAN]],
+        gen=[[-L(2.0), -L(1.5)], [L(2.0), 0.0], [L(4.0), NAN]],
+        adv=[[1.0, 1.0], [-1.0, -1.0], [1.0, NAN]],
+        token_mask=[[1, 1], [1, 1], [1, 0]],
+        sample_mask=[1, 0, 1],
+    )
     for impl in (public, triton_loss()):
         loss, m, grad = run(GSPO, **case, impl=impl)
         assert loss == approx((3 * -1.2 + 0.25 * -1.2) / 2)
@@ -101,9 +123,17 @@ def test_gspo_weight_nonfinite_sum_gives_zero():
 
 
 def test_vapo_nll_routes_to_the_reference_and_says_so(caplog):
-    args = dict(curr=torch.zeros(2, 3), prev=torch.zeros(2, 3), gen=torch.zeros(2, 3), ref=None,
-                advantages=torch.ones(2, 3), token_mask=torch.ones(2, 3), sample_mask=torch.ones(2),
-                global_valid_tokens=6, global_valid_seqs=2)
+    args = dict(
+        curr=torch.zeros(2, 3),
+        prev=torch.zeros(2, 3),
+        gen=torch.zeros(2, 3),
+        ref=None,
+        advantages=torch.ones(2, 3),
+        token_mask=torch.ones(2, 3),
+        sample_mask=torch.ones(2),
+        global_valid_tokens=6,
+        global_valid_seqs=2,
+    )
     with caplog.at_level(logging.DEBUG, logger="grpo_kernels.dispatch"):
         grpo_kernels.clipped_pg_loss(config=PGLossConfig(positive_example_nll_weight=0.1, **BETA0), **args)
         grpo_kernels.clipped_pg_loss(config=PGLossConfig(**GSPO), **args)
@@ -130,9 +160,18 @@ def expected_kl_gradient(cfg, theta, ref_logp, gen_logp=None, impl=public):
     for x in range(theta.numel()):
         th = theta.detach().clone().requires_grad_()
         curr = torch.log_softmax(th, 0)[x].reshape(1, 1)
-        loss, _ = impl(curr, curr.detach(), q_logp[x].reshape(1, 1), ref_logp[x].reshape(1, 1),
-                       torch.zeros(1, 1, dtype=F64), torch.ones(1, 1, dtype=F64), torch.ones(1, dtype=F64),
-                       PGLossConfig(**cfg), 1, 1)
+        loss, _ = impl(
+            curr,
+            curr.detach(),
+            q_logp[x].reshape(1, 1),
+            ref_logp[x].reshape(1, 1),
+            torch.zeros(1, 1, dtype=F64),
+            torch.ones(1, 1, dtype=F64),
+            torch.ones(1, dtype=F64),
+            PGLossConfig(**cfg),
+            1,
+            1,
+        )
         (grad,) = torch.autograd.grad(loss, th)
         total += q_logp[x].exp() * grad
     return total
@@ -188,8 +227,12 @@ def test_kl_true_gradient_by_hand_and_the_input_clamp_detaches_the_weight():
 # loss_aggregation
 # ---------------------------------------------------------------------------------------------
 # r = 1 so l = -A. seq0: one token, A = 2 -> -2. seq1: three tokens, A = -1 -> 1 each.
-AGG_CASE = dict(curr=[[0.0, NAN, NAN], [0.0, 0.0, 0.0]], prev=[[0.0, NAN, NAN], [0.0] * 3],
-                adv=[[2.0, 0.0, 0.0], [-1.0] * 3], token_mask=[[1, 0, 0], [1, 1, 1]])
+AGG_CASE = dict(
+    curr=[[0.0, NAN, NAN], [0.0, 0.0, 0.0]],
+    prev=[[0.0, NAN, NAN], [0.0] * 3],
+    adv=[[2.0, 0.0, 0.0], [-1.0] * 3],
+    token_mask=[[1, 0, 0], [1, 1, 1]],
+)
 
 
 @pytest.mark.parametrize(
@@ -251,8 +294,12 @@ def test_positive_example_nll_by_hand():
     # r = 1. seq0 (A = +1) curr = ln .5, ln .25; seq1 (A = -1) curr = ln .5. Token mean over 3.
     # actor = (-1 - 1 + 1) / 3; NLL over the positive sequence = (ln 2 + ln 4) / 3 = ln 2.
     # d/dcurr: seq0 -1/3 (actor) - 0.1/3 (NLL); seq1 +1/3.
-    case = dict(curr=[[L(0.5), L(0.25)], [L(0.5), NAN]], prev=[[L(0.5), L(0.25)], [L(0.5), NAN]],
-                adv=[[1.0, 1.0], [-1.0, NAN]], token_mask=[[1, 1], [1, 0]])
+    case = dict(
+        curr=[[L(0.5), L(0.25)], [L(0.5), NAN]],
+        prev=[[L(0.5), L(0.25)], [L(0.5), NAN]],
+        adv=[[1.0, 1.0], [-1.0, NAN]],
+        token_mask=[[1, 1], [1, 0]],
+    )
     loss, m, grad = run(dict(positive_example_nll_weight=0.1, **BETA0), **case, impl=public)
     assert loss == approx(-1 / 3 + 0.1 * L(2.0))
     assert m["positive_nll"] == mapprox(L(2.0)) and m["actor_loss"] == mapprox(-1 / 3)
@@ -273,4 +320,3 @@ def test_every_variant_is_in_the_invariance_configs():
 @pytest.mark.parametrize("name", ["seq_sum_norm", "cispo", "force_on_policy", "gspo_tis"])
 def test_triton_variants_split_into_micro_batches(name):
     check_micro_batch_invariance(triton_loss(), name, n_micro=2, B=4)
-

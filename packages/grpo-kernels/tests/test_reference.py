@@ -98,9 +98,7 @@ def test_gradients_match_naive_autograd(dtype, with_entropy):
 def test_gradcheck_fp64():
     logits, targets = make(6, 13, torch.float64, n_ignored=1, scale=1.0)
     logits.requires_grad_()
-    assert torch.autograd.gradcheck(
-        lambda x: R.token_logprobs(x, targets, 0.8, True, chunk_size=4), (logits,)
-    )
+    assert torch.autograd.gradcheck(lambda x: R.token_logprobs(x, targets, 0.8, True, chunk_size=4), (logits,))
     assert torch.autograd.gradcheck(lambda x: R.token_logprobs(x, targets, 1.3), (logits,))
 
 

@@ -73,8 +73,11 @@ def implementations(device: torch.device) -> list:
     if HAS_TRITON and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
         from grpo_kernels.ops import vocab_parallel as K
 
-        impls.append(functools.partial(K.vocab_parallel_token_logprobs, block_v=TEST_BLOCK_V)
-                     if device.type == "cpu" else K.vocab_parallel_token_logprobs)
+        impls.append(
+            functools.partial(K.vocab_parallel_token_logprobs, block_v=TEST_BLOCK_V)
+            if device.type == "cpu"
+            else K.vocab_parallel_token_logprobs
+        )
     impls.append(grpo_kernels.vocab_parallel_token_logprobs)  # the dispatch: the torch op on CPU, Triton on CUDA
     return impls
 
@@ -89,8 +92,13 @@ def run_rank(rank: int, world: int, port: int, backend: str = "gloo") -> None:
     device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
     try:
         for seed, (name, leading, V, dtype, temperature, packed, entropy) in enumerate(CASES):
             V = V // world * world
@@ -100,8 +108,9 @@ def run_rank(rank: int, world: int, port: int, backend: str = "gloo") -> None:
                 kw["cu_seqlens"] = torch.tensor([0, 5, 6, 12, 17], device=device)
                 case = (case[0], torch.randint(0, V, leading, generator=torch.Generator().manual_seed(seed)), *case[2:])
             logits, targets, g_lp, g_ent = (t.to(device) for t in case)
-            want_lp, want_ent, want_grad = forward_backward(R.token_logprobs, logits, targets, temperature, entropy,
-                                                            g_lp, g_ent, **kw)
+            want_lp, want_ent, want_grad = forward_backward(
+                R.token_logprobs, logits, targets, temperature, entropy, g_lp, g_ent, **kw
+            )
             cols = slice(rank * V // world, (rank + 1) * V // world)
             shard = logits[..., cols]
             for impl in implementations(device):
@@ -113,8 +122,9 @@ def run_rank(rank: int, world: int, port: int, backend: str = "gloo") -> None:
                 torch.testing.assert_close(grad, want_grad[..., cols], **tolerance(dtype), msg=what)
             with torch.no_grad():  # the no-grad path gives the same numbers
                 for impl in implementations(device):
-                    torch.testing.assert_close(impl(shard, targets, temperature=temperature, **kw), want_lp,
-                                               **tolerance(dtype))
+                    torch.testing.assert_close(
+                        impl(shard, targets, temperature=temperature, **kw), want_lp, **tolerance(dtype)
+                    )
     finally:
         dist.destroy_process_group()
 
@@ -133,8 +143,14 @@ def run_ranks(world: int, backend: str) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    children = [subprocess.Popen([sys.executable, "-c", CHILD, __file__, str(rank), str(world), str(port), backend],
-                                 stderr=subprocess.PIPE, text=True) for rank in range(1, world)]
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", CHILD, __file__, str(rank), str(world), str(port), backend],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(1, world)
+    ]
     try:
         run_rank(0, world, port, backend)
     finally:

@@ -23,9 +23,18 @@ def build_tiny_model(path, seed: int = 0) -> None:
     ).save_pretrained(path)
     torch.manual_seed(seed)
     config = Qwen2Config(
-        vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
-        tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+        vocab_size=64,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
     )
     Qwen2ForCausalLM(config).save_pretrained(path)
 
@@ -49,10 +58,14 @@ def ragged_policy_batch(B: int, seed: int) -> dict[str, torch.Tensor]:
     token_mask[:, :3] = 0
     sample_mask = torch.ones(B)
     sample_mask[B // 2] = 0 if B > 1 else 1
-    return {"input_ids": torch.randint(3, 64, (B, S), generator=g) * attention_mask,
-            "attention_mask": attention_mask, "token_mask": token_mask,
-            "gen_logprobs": -torch.rand(B, S, generator=g) * token_mask,
-            "advantages": torch.randn(B, generator=g)[:, None] * token_mask, "sample_mask": sample_mask}
+    return {
+        "input_ids": torch.randint(3, 64, (B, S), generator=g) * attention_mask,
+        "attention_mask": attention_mask,
+        "token_mask": token_mask,
+        "gen_logprobs": -torch.rand(B, S, generator=g) * token_mask,
+        "advantages": torch.randn(B, generator=g)[:, None] * token_mask,
+        "sample_mask": sample_mask,
+    }
 
 
 @pytest.fixture(scope="module")

@@ -68,8 +68,14 @@ def test_group_with_one_valid_sample_gets_zero():
 
 def test_advantage_clip():
     r = torch.tensor([10.0, 0.0])
-    adv = compute_advantages(r, torch.ones(2), 2, cfg(normalize_rewards=False, use_leave_one_out_baseline=False,
-                                                      advantage_clip_low=-1.0, advantage_clip_high=2.0))
+    adv = compute_advantages(
+        r,
+        torch.ones(2),
+        2,
+        cfg(
+            normalize_rewards=False, use_leave_one_out_baseline=False, advantage_clip_low=-1.0, advantage_clip_high=2.0
+        ),
+    )
     torch.testing.assert_close(adv, torch.tensor([2.0, -1.0]))
 
 
@@ -80,12 +86,18 @@ def test_bad_group_size():
 
 def test_reward_scaling_and_shaping_by_hand():
     sc = RewardScalingConfig(enabled=True, source_min=0, source_max=2, target_min=-1, target_max=1)
-    torch.testing.assert_close(scale_rewards(torch.tensor([-5.0, 0.0, 1.0, 2.0, 9.0]), sc), torch.tensor([-1.0, -1.0, 0.0, 1.0, 1.0]))
-    sh = RewardShapingConfig(enabled=True, max_response_length=10, overlong_buffer_length=4, overlong_buffer_penalty=2.0)
+    torch.testing.assert_close(
+        scale_rewards(torch.tensor([-5.0, 0.0, 1.0, 2.0, 9.0]), sc), torch.tensor([-1.0, -1.0, 0.0, 1.0, 1.0])
+    )
+    sh = RewardShapingConfig(
+        enabled=True, max_response_length=10, overlong_buffer_length=4, overlong_buffer_penalty=2.0
+    )
     # L_exp = 6: L=5 -> 0; L=8 -> -(2/4)*2 = -1; L=10 -> -(4/4)*2 = -2
     out = shape_rewards(torch.tensor([1.0, 1.0, 1.0]), torch.tensor([5, 8, 10]), torch.tensor([False, False, True]), sh)
     torch.testing.assert_close(out, torch.tensor([1.0, 0.0, -1.0]))
-    sh2 = RewardShapingConfig(enabled=True, max_response_length=100, overlong_buffer_length=4, stop_properly_penalty_coef=0.5)
+    sh2 = RewardShapingConfig(
+        enabled=True, max_response_length=100, overlong_buffer_length=4, stop_properly_penalty_coef=0.5
+    )
     out = shape_rewards(torch.tensor([1.0, 1.0]), torch.tensor([5, 5]), torch.tensor([False, True]), sh2)
     torch.testing.assert_close(out, torch.tensor([1.0, 0.5]))
 
@@ -97,14 +109,22 @@ def test_groups_with_signal():
 
 def test_stop_properly_replaces_the_dapo_penalty_instead_of_scaling_it():
     # DAPO alone: L_exp = 6; the truncated L = 10 gets 1 - (4/4) * 1.6 = -0.6
-    dapo = RewardShapingConfig(enabled=True, max_response_length=10, overlong_buffer_length=4, overlong_buffer_penalty=1.6)
+    dapo = RewardShapingConfig(
+        enabled=True, max_response_length=10, overlong_buffer_length=4, overlong_buffer_penalty=1.6
+    )
     lengths, truncated = torch.tensor([5, 10]), torch.tensor([False, True])
-    torch.testing.assert_close(shape_rewards(torch.tensor([1.0, 1.0]), lengths, truncated, dapo), torch.tensor([1.0, -0.6]))
+    torch.testing.assert_close(
+        shape_rewards(torch.tensor([1.0, 1.0]), lengths, truncated, dapo), torch.tensor([1.0, -0.6])
+    )
     # With the coefficient the raw reward is scaled (1 * 0.5), not the penalised one (-0.6 * 0.5 = -0.3, a raise)
     stop = dapo.model_copy(update={"stop_properly_penalty_coef": 0.5})
-    torch.testing.assert_close(shape_rewards(torch.tensor([1.0, 1.0]), lengths, truncated, stop), torch.tensor([1.0, 0.5]))
+    torch.testing.assert_close(
+        shape_rewards(torch.tensor([1.0, 1.0]), lengths, truncated, stop), torch.tensor([1.0, 0.5])
+    )
     zero = dapo.model_copy(update={"stop_properly_penalty_coef": 0.0})
-    torch.testing.assert_close(shape_rewards(torch.tensor([1.0, 1.0]), lengths, truncated, zero), torch.tensor([1.0, 0.0]))
+    torch.testing.assert_close(
+        shape_rewards(torch.tensor([1.0, 1.0]), lengths, truncated, zero), torch.tensor([1.0, 0.0])
+    )
 
 
 @pytest.mark.parametrize("coef", [-0.1, 1.5])

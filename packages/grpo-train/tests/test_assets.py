@@ -131,10 +131,14 @@ def test_vllm_greedy_matches_hf(model, tokenizer, problems, model_dir):
     hf_answers = hf_greedy_answers(model, tokenizer, problems)
     llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=64, seed=0)
     try:
-        prompts = [{"prompt_token_ids": tokenizer(f"{a}+{b}=", add_special_tokens=False).input_ids} for a, b in problems]
+        prompts = [
+            {"prompt_token_ids": tokenizer(f"{a}+{b}=", add_special_tokens=False).input_ids} for a, b in problems
+        ]
         outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS), use_tqdm=False)
         vllm_answers = [o.outputs[0].text for o in outputs]
-        assert all(o.outputs[0].finish_reason == "stop" or len(o.outputs[0].token_ids) == MAX_NEW_TOKENS for o in outputs)
+        assert all(
+            o.outputs[0].finish_reason == "stop" or len(o.outputs[0].token_ids) == MAX_NEW_TOKENS for o in outputs
+        )
     finally:
         del llm
         gc.collect()

@@ -37,8 +37,15 @@ def problems(build_info):
 
 
 def prompt(tokenizer, tools, a: int, b: int) -> list[int]:
-    return list(tokenizer.apply_chat_template([{"role": "user", "content": f"{a}+{b}="}], tools=tools, tokenize=True,
-                                              add_generation_prompt=True, return_dict=False))
+    return list(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"{a}+{b}="}],
+            tools=tools,
+            tokenize=True,
+            add_generation_prompt=True,
+            return_dict=False,
+        )
+    )
 
 
 def greedy(model, tokenizer, ids: list[int]) -> list[int]:
@@ -46,10 +53,15 @@ def greedy(model, tokenizer, ids: list[int]) -> list[int]:
 
     x = torch.tensor([ids])
     with torch.no_grad():
-        out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
-                             max_new_tokens=MAX_NEW_TOKENS, eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.pad_token_id)
-    return out[0, len(ids):].tolist()
+        out = model.generate(
+            input_ids=x,
+            attention_mask=torch.ones_like(x),
+            do_sample=False,
+            max_new_tokens=MAX_NEW_TOKENS,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    return out[0, len(ids) :].tolist()
 
 
 def test_resolves_and_is_small(model_dir, model):
@@ -75,13 +87,18 @@ def test_template_renders_the_calculator_tools_and_tool_messages(tokenizer, calc
     turn = tokenizer(call, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
     answer = tokenizer("6912", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
     carried = prompt(tokenizer, tools, 1234, 5678) + turn + chat.between_turns_ids(turn, tool_msg) + answer
-    messages = [{"role": "user", "content": "1234+5678="}, {"role": "assistant", "content": call}, *tool_msg,
-                {"role": "assistant", "content": "6912"}]
+    messages = [
+        {"role": "user", "content": "1234+5678="},
+        {"role": "assistant", "content": call},
+        *tool_msg,
+        {"role": "assistant", "content": "6912"},
+    ]
     assert carried == chat.fresh_ids(messages, tools)
 
 
-def test_greedy_calls_parse_and_the_calculator_env_rewards_the_conversation(model, tokenizer, calculator, problems,
-                                                                            build_info):
+def test_greedy_calls_parse_and_the_calculator_env_rewards_the_conversation(
+    model, tokenizer, calculator, problems, build_info
+):
     """With the first token forced to <tool_call>, greedy decoding writes a well-formed call for
     the right sum on (nearly) every problem; the real env runs it, and the model's answer to the
     tool's result earns reward 1. Unforced, the first turns match the build's record."""
@@ -107,7 +124,9 @@ def test_greedy_calls_parse_and_the_calculator_env_rewards_the_conversation(mode
         assert final.terminateds == [True]
         rewarded += final.rewards[0] == 1.0
     assert rewarded >= NUM_PROBLEMS - 1, rewarded
-    called = [tokenizer.decode(greedy(model, tokenizer, prompt(tokenizer, tools, a, b))).startswith("<tool_call>")
-              for a, b in problems]
+    called = [
+        tokenizer.decode(greedy(model, tokenizer, prompt(tokenizer, tools, a, b))).startswith("<tool_call>")
+        for a, b in problems
+    ]
     changed = sum(c != r for c, r in zip(called, build_info["heldout_first_turns"][:NUM_PROBLEMS], strict=True))
     assert changed <= MAX_CHANGED_FIRST_TURNS, (called, build_info["heldout_first_turns"][:NUM_PROBLEMS])

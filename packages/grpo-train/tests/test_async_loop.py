@@ -25,18 +25,37 @@ SAMPLES = 4
 def cfg():
     from grpo_train.config.schema import GRPOMasterConfig
 
-    return GRPOMasterConfig.model_validate({
-        "grpo": {"num_prompts_per_step": PROMPTS, "num_generations_per_prompt": SAMPLES, "max_num_steps": STEPS,
-                 "seed": 7, "async_grpo": {"enabled": True, "max_trajectory_age_steps": 1}},
-        "loss_fn": {"use_importance_sampling_correction": True},
-        "policy": {"model_name": "builtin:arith-tiny", "train_global_batch_size": 16, "train_micro_batch_size": 16,
-                   "max_total_sequence_length": 32,
-                   "generation": {"max_new_tokens": 8, "vllm_cfg": {"max_model_len": 32, "kv_cache_space_gb": 0.25}}},
-        "data": {"max_input_seq_length": 16,
-                 "train": {"dataset_name": "arithmetic", "size": 1000, "seed": 1, "digits": 2, "processor": "plain",
-                           "env_name": "arithmetic"}},
-        "env": {"arithmetic": {"num_workers": 1}},
-    })
+    return GRPOMasterConfig.model_validate(
+        {
+            "grpo": {
+                "num_prompts_per_step": PROMPTS,
+                "num_generations_per_prompt": SAMPLES,
+                "max_num_steps": STEPS,
+                "seed": 7,
+                "async_grpo": {"enabled": True, "max_trajectory_age_steps": 1},
+            },
+            "loss_fn": {"use_importance_sampling_correction": True},
+            "policy": {
+                "model_name": "builtin:arith-tiny",
+                "train_global_batch_size": 16,
+                "train_micro_batch_size": 16,
+                "max_total_sequence_length": 32,
+                "generation": {"max_new_tokens": 8, "vllm_cfg": {"max_model_len": 32, "kv_cache_space_gb": 0.25}},
+            },
+            "data": {
+                "max_input_seq_length": 16,
+                "train": {
+                    "dataset_name": "arithmetic",
+                    "size": 1000,
+                    "seed": 1,
+                    "digits": 2,
+                    "processor": "plain",
+                    "env_name": "arithmetic",
+                },
+            },
+            "env": {"arithmetic": {"num_workers": 1}},
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +110,9 @@ def test_collector_stays_within_the_age_bound_and_pushes_wait_for_older_batches(
     envs = build_envs(cfg)  # the driver's pools: the collector calls their actors
     shared = SharedParts(tokenizer, build_datasets(cfg, tokenizer)[0], envs)
     buffer = make_replay_buffer_actor(max_age=1)
-    collector = make_collector_actor(cfg, shared, GeneratorGroup([engine]), buffer, STEPS, next_target=1, version=0,
-                                     dataloader_state=None)
+    collector = make_collector_actor(
+        cfg, shared, GeneratorGroup([engine]), buffer, STEPS, next_target=1, version=0, dataloader_state=None
+    )
     try:
         ray.get(collector.start.remote())
         # Steps 1 and 2 need versions >= -1 and >= 0: both come from version 0, then it waits.
@@ -160,8 +180,13 @@ def test_collective_push_into_the_async_engine_equals_the_object_store_push(ray_
     ray = ray_session
     weights, model = perturbed_weights(model_path, seed=3)
     model.save_pretrained(tmp_path / "trainer")  # the trainer starts from the perturbed weights
-    policy = PolicyGroup(str(tmp_path / "trainer"), PolicyConfig(precision="float32", train_global_batch_size=4,
-                         train_micro_batch_size=4), LossConfig(reference_policy_kl_penalty=0.0), ClusterConfig(), seed=0)
+    policy = PolicyGroup(
+        str(tmp_path / "trainer"),
+        PolicyConfig(precision="float32", train_global_batch_size=4, train_micro_batch_size=4),
+        LossConfig(reference_policy_kl_penalty=0.0),
+        ClusterConfig(),
+        seed=0,
+    )
     probe, probe_lens = [[3, 4, 5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 9, 10, 11, 12]], [4, 4]
 
     def sample() -> tuple[list, list]:
@@ -170,7 +195,9 @@ def test_collective_push_into_the_async_engine_equals_the_object_store_push(ray_
         return [(r.response_ids, r.response_logprobs) for r in out], ray.get(engine.score.remote(probe, probe_lens))
 
     try:
-        ray.get(engine.update_weights.remote(state_dict_for_refit(AutoModelForCausalLM.from_pretrained(model_path)), 20))
+        ray.get(
+            engine.update_weights.remote(state_dict_for_refit(AutoModelForCausalLM.from_pretrained(model_path)), 20)
+        )
         _, scores_before = sample()
         transport = make_transport("collective", 16 / (1 << 20))  # 16 KiB buckets: hundreds per push
         transport.connect(policy, [engine])

@@ -56,19 +56,33 @@ class Recorder:
             if event == "logprobs_and_reference":
                 return torch.zeros(2, 2, 3)  # [2, B, S]: prev and ref in one call
             return {} if event in ("train", "value_train") else torch.zeros(2, 3) if event == "logprobs" else None
+
         return fn
 
 
 def fake_run(trace: list, value: bool = False):
-    policy = Recorder(trace, offload="offload", reload="reload", logprobs="logprobs", train="train",
-                      logprobs_and_reference="logprobs_and_reference")
+    policy = Recorder(
+        trace,
+        offload="offload",
+        reload="reload",
+        logprobs="logprobs",
+        train="train",
+        logprobs_and_reference="logprobs_and_reference",
+    )
     policy.start = lambda: trace.append(("trainer_start", ""))
     engine = Recorder(trace, ready="engine_ready", sleep="sleep", wake_up="wake", reseed=None)
     memory = MemoryChoreography(policy, engine, active=True)
     data = SimpleNamespace(state_dict=dict, load_state_dict=lambda state: None)  # the loop rewinds on a retry
-    parts = SimpleNamespace(policy=policy, generator=engine, memory=memory, train_data=data,
-                            tokenizer=SimpleNamespace(pad_token_id=0), val_datums=[1],
-                            value=Recorder(trace, train="value_train") if value else None, extra_workers={})
+    parts = SimpleNamespace(
+        policy=policy,
+        generator=engine,
+        memory=memory,
+        train_data=data,
+        tokenizer=SimpleNamespace(pad_token_id=0),
+        val_datums=[1],
+        value=Recorder(trace, train="value_train") if value else None,
+        extra_workers={},
+    )
     return parts, memory
 
 
@@ -80,7 +94,9 @@ def recorded(monkeypatch):
     batch = lambda *a, **k: ({"input_ids": torch.zeros(2, 3)}, {})  # noqa: E731
     # The loops' shared phases are step.py's (generation, weight push, validation, checkpoint), and
     # all check through engine_faults.
-    monkeypatch.setattr(shared_step, "collect_rollouts", lambda *a, **k: (trace.append(("generate", "")), rollout)[1:] + ({},))
+    monkeypatch.setattr(
+        shared_step, "collect_rollouts", lambda *a, **k: (trace.append(("generate", "")), rollout)[1:] + ({},)
+    )
     monkeypatch.setattr(engine_faults, "check_refit", lambda *a, **k: trace.append(("refit_check", "")) or {})
     monkeypatch.setattr(shared_step, "push_weights", lambda *a, **k: trace.append(("push", "")))
     monkeypatch.setattr(shared_step, "run_validation", lambda *a, **k: trace.append(("validate", "")) or {})
@@ -96,8 +112,9 @@ def recorded(monkeypatch):
 
 
 def config(**grpo) -> GRPOMasterConfig:
-    return GRPOMasterConfig(grpo={"max_num_steps": 2, "val_period": 1, "val_at_start": True, **grpo},
-                            checkpointing={"save_period": 1})
+    return GRPOMasterConfig(
+        grpo={"max_num_steps": 2, "val_period": 1, "val_at_start": True, **grpo}, checkpointing={"save_period": 1}
+    )
 
 
 LOGGER = SimpleNamespace(log=lambda *a, **k: None, log_samples=lambda *a, **k: None)
@@ -125,23 +142,41 @@ def test_sync_grpo_order(recorded):
     sync_loop.train_sync(config(), parts, LOGGER, object(), TrainerState())
     # one worker, one optimizer step, no reader of prev or ref before training: prev comes from the
     # training forward and ref from the train call's own reference forward (train_step.reuses_prev_logprobs)
-    step = [("generate", ""), *TO_TRAINING, ("train", ""),
-            *TO_REFIT, ("push", ""), ("refit_check", ""), *END_OF_STEP]
-    assert recorded == [*START, *TO_GENERATION_FROM_START, ("validate", ""),
-                        *step,  # step 1 (generation phase already entered for the validation)
-                        *TO_GENERATION_FROM_START, *step]  # step 2 starts from the checkpoint's training phase
+    step = [("generate", ""), *TO_TRAINING, ("train", ""), *TO_REFIT, ("push", ""), ("refit_check", ""), *END_OF_STEP]
+    assert recorded == [
+        *START,
+        *TO_GENERATION_FROM_START,
+        ("validate", ""),
+        *step,  # step 1 (generation phase already entered for the validation)
+        *TO_GENERATION_FROM_START,
+        *step,
+    ]  # step 2 starts from the checkpoint's training phase
     assert issued(memory) == moves(recorded)  # the hook's record is what the actors received
 
 
 def test_ppo_order_is_the_sync_order_with_values(recorded):
     parts, memory = fake_run(recorded, value=True)
     memory.start_engines_first()
-    cfg = GRPOMasterConfig(grpo={"max_num_steps": 2, "val_period": 1, "val_at_start": True},
-                           checkpointing={"save_period": 1}, value={}, ppo={"ppo_epochs": 1},
-                           loss_fn={"reference_policy_kl_penalty": 0.0})
+    cfg = GRPOMasterConfig(
+        grpo={"max_num_steps": 2, "val_period": 1, "val_at_start": True},
+        checkpointing={"save_period": 1},
+        value={},
+        ppo={"ppo_epochs": 1},
+        loss_fn={"reference_policy_kl_penalty": 0.0},
+    )
     ppo_loop.train_ppo(cfg, parts, LOGGER, object(), TrainerState())
-    step = [("generate", ""), *TO_TRAINING, ("logprobs", ""), ("values", ""), ("value_train", ""), ("train", ""),
-            *TO_REFIT, ("push", ""), ("refit_check", ""), *END_OF_STEP]
+    step = [
+        ("generate", ""),
+        *TO_TRAINING,
+        ("logprobs", ""),
+        ("values", ""),
+        ("value_train", ""),
+        ("train", ""),
+        *TO_REFIT,
+        ("push", ""),
+        ("refit_check", ""),
+        *END_OF_STEP,
+    ]
     assert recorded == [*START, *TO_GENERATION_FROM_START, ("validate", ""), *step, *TO_GENERATION_FROM_START, *step]
     assert issued(memory) == moves(recorded)
 
@@ -165,12 +200,24 @@ def test_async_grpo_calls_the_same_phases_at_the_trainer_points(recorded, monkey
     monkeypatch.setattr(async_loop, "pipeline_metrics", lambda *a, **k: {})
     monkeypatch.setattr(async_loop, "save_async_checkpoint", lambda *a, **k: recorded.append(("save", "")))
     monkeypatch.setattr(async_loop, "stop_collector", lambda *a, **k: None)
-    cfg = GRPOMasterConfig(grpo={"max_num_steps": 2, "val_period": 1, "val_at_start": True, "async_grpo": {"enabled": True}},
-                           checkpointing={"save_period": 1}, loss_fn={"use_importance_sampling_correction": True})
+    cfg = GRPOMasterConfig(
+        grpo={"max_num_steps": 2, "val_period": 1, "val_at_start": True, "async_grpo": {"enabled": True}},
+        checkpointing={"save_period": 1},
+        loss_fn={"use_importance_sampling_correction": True},
+    )
     async_loop.train_async(cfg, parts, LOGGER, object(), TrainerState())  # async: prev and ref in one call
+
     def step(to_training):
-        return [("take_groups", ""), *to_training, ("logprobs_and_reference", ""), ("train", ""),
-                *TO_REFIT, ("push", ""), ("refit_check", ""), *END_OF_STEP]
+        return [
+            ("take_groups", ""),
+            *to_training,
+            ("logprobs_and_reference", ""),
+            ("train", ""),
+            *TO_REFIT,
+            ("push", ""),
+            ("refit_check", ""),
+            *END_OF_STEP,
+        ]
 
     # step 2 starts in the checkpoint's training phase: no rollout phase in this loop to leave it
     assert recorded == [*START, *TO_GENERATION_FROM_START, ("validate", ""), *step(TO_TRAINING), *step([])]
@@ -188,12 +235,25 @@ def test_inactive_choreography_issues_nothing(recorded):
 
 def test_active_exactly_when_colocated_on_gpus():
     def cfg(gpus: int, colocated: bool, is_async: bool = False) -> GRPOMasterConfig:
-        return GRPOMasterConfig.model_construct(**GRPOMasterConfig().model_copy(deep=True).__dict__).model_copy(update={
-            "cluster": GRPOMasterConfig().cluster.model_copy(update={"gpus_per_node": gpus}),
-            "policy": GRPOMasterConfig().policy.model_copy(update={"generation": GRPOMasterConfig().policy.generation.model_copy(
-                update={"colocated": GRPOMasterConfig().policy.generation.colocated.model_copy(update={"enabled": colocated})})}),
-            "grpo": GRPOMasterConfig().grpo.model_copy(update={"async_grpo": GRPOMasterConfig().grpo.async_grpo.model_copy(
-                update={"enabled": is_async})})})
+        return GRPOMasterConfig.model_construct(**GRPOMasterConfig().model_copy(deep=True).__dict__).model_copy(
+            update={
+                "cluster": GRPOMasterConfig().cluster.model_copy(update={"gpus_per_node": gpus}),
+                "policy": GRPOMasterConfig().policy.model_copy(
+                    update={
+                        "generation": GRPOMasterConfig().policy.generation.model_copy(
+                            update={
+                                "colocated": GRPOMasterConfig().policy.generation.colocated.model_copy(
+                                    update={"enabled": colocated}
+                                )
+                            }
+                        )
+                    }
+                ),
+                "grpo": GRPOMasterConfig().grpo.model_copy(
+                    update={"async_grpo": GRPOMasterConfig().grpo.async_grpo.model_copy(update={"enabled": is_async})}
+                ),
+            }
+        )
 
     assert colocated_on_gpus(cfg(1, True))
     assert not colocated_on_gpus(cfg(0, True))  # the CPU default: nothing moves

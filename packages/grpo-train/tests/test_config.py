@@ -47,8 +47,14 @@ def test_cli_overrides_set_add_delete_and_parse_types(tmp_path):
     path = write(tmp_path, "a.yaml", "grpo: {seed: 1, val_period: 5}\npolicy: {generation: {stop_strings: [x]}}\n")
     _, cfg = load_config_dict(
         path,
-        ["grpo.seed=7", "+grpo.max_num_steps=3", "~grpo.val_period", "policy.generation.stop_strings=[a, b]",
-         "+policy.generation.top_k=null", "+policy.optimizer.kwargs.lr=1e-4"],
+        [
+            "grpo.seed=7",
+            "+grpo.max_num_steps=3",
+            "~grpo.val_period",
+            "policy.generation.stop_strings=[a, b]",
+            "+policy.generation.top_k=null",
+            "+policy.optimizer.kwargs.lr=1e-4",
+        ],
     )
     assert cfg["grpo"] == {"seed": 7, "max_num_steps": 3}
     assert cfg["policy"]["generation"] == {"stop_strings": ["a", "b"], "top_k": None}
@@ -77,7 +83,11 @@ def test_interpolation_keeps_types_and_computes(tmp_path):
 
 
 def test_validated_model_is_frozen_and_typed(tmp_path):
-    path = write(tmp_path, "a.yaml", "grpo: {num_prompts_per_step: 4, num_generations_per_prompt: 2}\npolicy: {train_global_batch_size: 8, train_micro_batch_size: 2}\n")
+    path = write(
+        tmp_path,
+        "a.yaml",
+        "grpo: {num_prompts_per_step: 4, num_generations_per_prompt: 2}\npolicy: {train_global_batch_size: 8, train_micro_batch_size: 2}\n",
+    )
     cfg, _ = load_config(path)
     assert cfg.grpo.num_prompts_per_step == 4
     with pytest.raises(ValidationError, match="frozen"):
@@ -91,17 +101,38 @@ def test_validated_model_is_frozen_and_typed(tmp_path):
         ("grpo: {num_prompts_per_step: many}\n", [], "grpo.num_prompts_per_step", "'many'"),
         ("policy: {generation: {temperature: -1}}\n", [], "policy.generation.temperature", "greater than 0"),
         ("loss_fn: {ratio_clip_c: 0.5}\n", [], "loss_fn", "ratio_clip_c must be > 1"),
-        ("loss_fn: {sequence_level_importance_ratios: true}\n", [], "loss_fn.sequence_level_importance_ratios",
-         "token_level_loss"),
+        (
+            "loss_fn: {sequence_level_importance_ratios: true}\n",
+            [],
+            "loss_fn.sequence_level_importance_ratios",
+            "token_level_loss",
+        ),
         ("loss_fn: {use_cispo: true, ratio_clip_c: 3}\n", [], "loss_fn.use_cispo", "undefined together"),
         ("loss_fn: {loss_aggregation: seq-mean-token-sum-norm}\n", [], "loss_fn.loss_scale_factor", "constant length"),
-        ("loss_fn: {token_level_loss: true, loss_aggregation: seq-mean-token-sum}\n", [], "loss_fn.loss_aggregation",
-         "contradicts token_level_loss"),
-        ("loss_fn: {force_on_policy_ratio: true}\ngrpo: {num_prompts_per_step: 64}\n", [], "<root>",
-         "one optimizer step per rollout"),
-        ("loss_fn: {truncated_importance_sampling_type: tis, truncated_importance_sampling_ratio: 2}\n", [], "loss_fn",
-         "use_importance_sampling_correction"),
-        ("policy: {dynamic_batching: {enabled: true}, sequence_packing: {enabled: true}}\n", [], "policy", "mutually exclusive"),
+        (
+            "loss_fn: {token_level_loss: true, loss_aggregation: seq-mean-token-sum}\n",
+            [],
+            "loss_fn.loss_aggregation",
+            "contradicts token_level_loss",
+        ),
+        (
+            "loss_fn: {force_on_policy_ratio: true}\ngrpo: {num_prompts_per_step: 64}\n",
+            [],
+            "<root>",
+            "one optimizer step per rollout",
+        ),
+        (
+            "loss_fn: {truncated_importance_sampling_type: tis, truncated_importance_sampling_ratio: 2}\n",
+            [],
+            "loss_fn",
+            "use_importance_sampling_correction",
+        ),
+        (
+            "policy: {dynamic_batching: {enabled: true}, sequence_packing: {enabled: true}}\n",
+            [],
+            "policy",
+            "mutually exclusive",
+        ),
         ("grpo: {async_grpo: {enabled: true}}\n", [], "<root>", "importance_sampling"),
         ("data: {train: [{dataset_name: a}, {dataset_nam: b}]}\n", [], "data.train.1.dataset_nam", "unknown key"),
     ],

@@ -32,9 +32,18 @@ def tiny_model(kind: str):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    common = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=0,
-                  attn_implementation="sdpa")
+    common = dict(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        attn_implementation="sdpa",
+    )
     if kind == "qwen2":
         return Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, **common)).float().train()
     return LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **common)).float().train()
@@ -57,8 +66,18 @@ def pg_loss(lp, token_mask, advantages):
 
     prev = (lp.detach() + 0.05 * torch.cos(torch.arange(lp.numel()).view_as(lp).float())) * token_mask
     cfg = PGLossConfig(reference_policy_kl_penalty=0.1, ratio_clip_min=0.2, ratio_clip_max=0.2)
-    loss, _ = clipped_pg_loss(lp, prev, prev, prev - 0.1 * token_mask, advantages[:, None] * token_mask, token_mask,
-                              torch.ones(lp.shape[0]), cfg, float(token_mask.sum()), float(lp.shape[0]))
+    loss, _ = clipped_pg_loss(
+        lp,
+        prev,
+        prev,
+        prev - 0.1 * token_mask,
+        advantages[:, None] * token_mask,
+        token_mask,
+        torch.ones(lp.shape[0]),
+        cfg,
+        float(token_mask.sum()),
+        float(lp.shape[0]),
+    )
     return loss
 
 
@@ -97,8 +116,9 @@ def run_rank(rank: int, port: int) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120)
+    )
     try:
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
         for kind in ("llama",):  # GQA, untied head; the worker test below runs the tied Qwen2
@@ -120,10 +140,17 @@ def run_rank(rank: int, port: int) -> None:
 def worker_cfg(num_workers: int, cp: int):
     from grpo_train.config.schema import DTensorConfig, PolicyConfig
 
-    return PolicyConfig(precision="float32", train_global_batch_size=2, train_micro_batch_size=1, logprob_batch_size=2,
-                        max_grad_norm=1.0, num_workers=num_workers, generation={"temperature": 0.7},
-                        optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.5, "momentum": 0.9}},
-                        dtensor_cfg=DTensorConfig(enabled=False, context_parallel_size=cp))
+    return PolicyConfig(
+        precision="float32",
+        train_global_batch_size=2,
+        train_micro_batch_size=1,
+        logprob_batch_size=2,
+        max_grad_norm=1.0,
+        num_workers=num_workers,
+        generation={"temperature": 0.7},
+        optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.5, "momentum": 0.9}},
+        dtensor_cfg=DTensorConfig(enabled=False, context_parallel_size=cp),
+    )
 
 
 def worker_batch():
@@ -133,10 +160,14 @@ def worker_batch():
     attention_mask = (torch.arange(130)[None, :] < lengths[:, None]).long()
     token_mask = attention_mask.float().clone()
     token_mask[:, :10] = 0
-    return {"input_ids": torch.randint(3, 64, (2, 130), generator=g) * attention_mask,
-            "attention_mask": attention_mask, "token_mask": token_mask,
-            "gen_logprobs": -torch.rand(2, 130, generator=g) * token_mask,
-            "advantages": torch.tensor([[1.0], [-0.7]]) * token_mask, "sample_mask": torch.ones(2)}
+    return {
+        "input_ids": torch.randint(3, 64, (2, 130), generator=g) * attention_mask,
+        "attention_mask": attention_mask,
+        "token_mask": token_mask,
+        "gen_logprobs": -torch.rand(2, 130, generator=g) * token_mask,
+        "advantages": torch.tensor([[1.0], [-0.7]]) * token_mask,
+        "sample_mask": torch.ones(2),
+    }
 
 
 def run_worker_rank(rank: int, port: int, model_dir: str, batch: dict) -> dict:
@@ -144,8 +175,9 @@ def run_worker_rank(rank: int, port: int, model_dir: str, batch: dict) -> dict:
     from grpo_train.config.schema import LossConfig
     from grpo_train.policy.worker import PolicyWorker
 
-    worker = PolicyWorker(model_dir, worker_cfg(2, 2), LossConfig(reference_policy_kl_penalty=0.05), seed=0,
-                          rank=rank, world_size=2)
+    worker = PolicyWorker(
+        model_dir, worker_cfg(2, 2), LossConfig(reference_policy_kl_penalty=0.05), seed=0, rank=rank, world_size=2
+    )
     try:
         worker.init_distributed("127.0.0.1", port)
         out = {"logprobs": worker.logprobs(batch), "reference": worker.logprobs(batch, reference=True)}
@@ -195,8 +227,9 @@ def test_cp2_model_and_policy_workers_match_one_unsharded(tiny_qwen2_dir):
     from grpo_train.policy.context_parallel import CP_ATTENTION
 
     ports = free_port(), free_port()
-    child = subprocess.Popen([sys.executable, "-c", CHILD, __file__, *map(str, ports), tiny_qwen2_dir],
-                             stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, __file__, *map(str, ports), tiny_qwen2_dir], stderr=subprocess.PIPE, text=True
+    )
     try:
         run_rank(0, ports[0])
         batch, single = prepared_batch(tiny_qwen2_dir)
@@ -209,7 +242,11 @@ def test_cp2_model_and_policy_workers_match_one_unsharded(tiny_qwen2_dir):
     assert_close(got["reference"], single.logprobs(batch, reference=True), "reference logprobs")
     want = single.train(batch)
     for key in ("loss", "grad_norm"):
-        assert abs(got["metrics"][key] - want[key]) <= RTOL * abs(want[key]) + ATOL, (key, got["metrics"][key], want[key])
+        assert abs(got["metrics"][key] - want[key]) <= RTOL * abs(want[key]) + ATOL, (
+            key,
+            got["metrics"][key],
+            want[key],
+        )
     assert got["metrics"]["grad_norm"] > 0
     for what, want_tensors in (("gradients", single.gradients()), ("weights", single.master_weights())):
         assert got[what].keys() == want_tensors.keys() and want_tensors, what
@@ -245,15 +282,22 @@ def test_left_padded_rows_are_refused():
 CP = {"context_parallel_size": 2, "enabled": False}
 
 
-@pytest.mark.parametrize(("policy", "key"), [
-    ({"dtensor_cfg": {**CP, "tensor_parallel_size": 2}}, "policy.dtensor_cfg.context_parallel_size"),
-    ({"dtensor_cfg": {"context_parallel_size": 2}}, "policy.dtensor_cfg.enabled: false"),
-    ({"dtensor_cfg": {**CP, "activation_checkpointing": True}}, "policy.dtensor_cfg.context_parallel_size"),
-    ({"dtensor_cfg": {**CP, "lora_cfg": {"enabled": True}}}, "policy.dtensor_cfg.context_parallel_size"),
-    ({"dtensor_cfg": CP, "sequence_packing": {"enabled": True}}, "policy.sequence_packing"),
-    ({"dtensor_cfg": CP, "moe_aux_loss_coeff": 0.01}, "policy.moe_aux_loss_coeff"),
-    ({"dtensor_cfg": {**CP, "context_parallel_size": 3}}, "policy.dtensor_cfg.context_parallel_size (3) must divide"),
-], ids=["tp", "fsdp2", "activation_checkpointing", "lora", "packing", "moe_aux", "num_workers"])
+@pytest.mark.parametrize(
+    ("policy", "key"),
+    [
+        ({"dtensor_cfg": {**CP, "tensor_parallel_size": 2}}, "policy.dtensor_cfg.context_parallel_size"),
+        ({"dtensor_cfg": {"context_parallel_size": 2}}, "policy.dtensor_cfg.enabled: false"),
+        ({"dtensor_cfg": {**CP, "activation_checkpointing": True}}, "policy.dtensor_cfg.context_parallel_size"),
+        ({"dtensor_cfg": {**CP, "lora_cfg": {"enabled": True}}}, "policy.dtensor_cfg.context_parallel_size"),
+        ({"dtensor_cfg": CP, "sequence_packing": {"enabled": True}}, "policy.sequence_packing"),
+        ({"dtensor_cfg": CP, "moe_aux_loss_coeff": 0.01}, "policy.moe_aux_loss_coeff"),
+        (
+            {"dtensor_cfg": {**CP, "context_parallel_size": 3}},
+            "policy.dtensor_cfg.context_parallel_size (3) must divide",
+        ),
+    ],
+    ids=["tp", "fsdp2", "activation_checkpointing", "lora", "packing", "moe_aux", "num_workers"],
+)
 def test_unsupported_combinations_are_refused_at_their_keys(policy, key):
     from grpo_train.config import ConfigError, validate_config_dict
 

@@ -20,8 +20,13 @@ class OneWeight(WorkerCore):
     max_metrics = ("toy_peak",)
 
     def __init__(self, w: float):
-        super().__init__(ValueConfig(max_grad_norm=None, optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.1}}),
-                         seed=0, rank=0, world_size=1, num_threads=None)
+        super().__init__(
+            ValueConfig(max_grad_norm=None, optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.1}}),
+            seed=0,
+            rank=0,
+            world_size=1,
+            num_threads=None,
+        )
         self.model = torch.nn.Linear(1, 1, bias=False)
         torch.nn.init.constant_(self.model.weight, w)
         self._build_optimizer(self.dtype)
@@ -37,8 +42,11 @@ class OneWeight(WorkerCore):
 
 def batch_of(x: list[list[float]]) -> dict[str, torch.Tensor]:
     t = torch.tensor(x)
-    return {"input_ids": torch.zeros_like(t, dtype=torch.long), "attention_mask": torch.ones_like(t, dtype=torch.long),
-            "x": t}
+    return {
+        "input_ids": torch.zeros_like(t, dtype=torch.long),
+        "attention_mask": torch.ones_like(t, dtype=torch.long),
+        "x": t,
+    }
 
 
 def test_merge_metrics_sums_mins_and_maxes():
@@ -66,9 +74,24 @@ def test_a_non_finite_step_is_skipped_and_named():
 
 def test_each_worker_keeps_only_its_own_part():
     """The step, gradient reduction, state files and process group are the core's, in both workers."""
-    shared = ("_optimizer_step", "_apply_gradients", "_reduce_gradients", "_forward_rows", "_plan", "_dummy",
-              "_save_states", "_restore_states", "_save_masters", "_save_adapters", "gradients", "master_weights",
-              "ping", "whereabouts", "free_address", "_join_process_group")
+    shared = (
+        "_optimizer_step",
+        "_apply_gradients",
+        "_reduce_gradients",
+        "_forward_rows",
+        "_plan",
+        "_dummy",
+        "_save_states",
+        "_restore_states",
+        "_save_masters",
+        "_save_adapters",
+        "gradients",
+        "master_weights",
+        "ping",
+        "whereabouts",
+        "free_address",
+        "_join_process_group",
+    )
     for worker in (PolicyWorker, ValueWorker):
         assert issubclass(worker, WorkerCore)
         assert [name for name in shared if name in vars(worker)] == [], worker

@@ -32,15 +32,41 @@ def config(steps: int, restarts: int, backend: str = "hf", **grpo):
     from grpo_train.config import validate_config_dict
 
     raw = {
-        "grpo": {"num_prompts_per_step": PROMPTS, "num_generations_per_prompt": SAMPLES, "max_num_steps": steps,
-                 "seed": 7, "val_period": 0, "val_at_start": False, "val_at_end": False, **grpo},
-        "policy": {"model_name": "builtin:arith-tiny", "precision": "float32", "train_global_batch_size": 16,
-                   "train_micro_batch_size": 16, "max_total_sequence_length": 32, "generation_batch_size": 2,
-                   "generation": {"backend": backend, "max_new_tokens": 8, "max_engine_restarts": restarts,
-                                  "vllm_cfg": {"max_model_len": 32, "kv_cache_space_gb": 0.25}}},
-        "data": {"max_input_seq_length": 16,
-                 "train": {"dataset_name": "arithmetic", "size": 1000, "seed": 1, "digits": 2, "processor": "plain",
-                           "env_name": "arithmetic"}},
+        "grpo": {
+            "num_prompts_per_step": PROMPTS,
+            "num_generations_per_prompt": SAMPLES,
+            "max_num_steps": steps,
+            "seed": 7,
+            "val_period": 0,
+            "val_at_start": False,
+            "val_at_end": False,
+            **grpo,
+        },
+        "policy": {
+            "model_name": "builtin:arith-tiny",
+            "precision": "float32",
+            "train_global_batch_size": 16,
+            "train_micro_batch_size": 16,
+            "max_total_sequence_length": 32,
+            "generation_batch_size": 2,
+            "generation": {
+                "backend": backend,
+                "max_new_tokens": 8,
+                "max_engine_restarts": restarts,
+                "vllm_cfg": {"max_model_len": 32, "kv_cache_space_gb": 0.25},
+            },
+        },
+        "data": {
+            "max_input_seq_length": 16,
+            "train": {
+                "dataset_name": "arithmetic",
+                "size": 1000,
+                "seed": 1,
+                "digits": 2,
+                "processor": "plain",
+                "env_name": "arithmetic",
+            },
+        },
         "env": {"arithmetic": {"num_workers": 1}},
         "loss_fn": {"use_importance_sampling_correction": True},  # as async GRPO requires, in both loops
         "checkpointing": {"enabled": False},
@@ -100,7 +126,7 @@ def test_sync_run_survives_a_killed_engine_then_stops_with_one_line(uninterrupte
             if call in kills:
                 kills.discard(call)
                 kill_engine_process(generator.engines[0])
-            chunk = real(generator, prompts[start:start + chunk_size], sampling, None)
+            chunk = real(generator, prompts[start : start + chunk_size], sampling, None)
             chunks.append((call, [(r.response_ids, r.response_logprobs) for r in chunk]))
             for r in chunk:
                 r.prompt_index += start
@@ -121,9 +147,11 @@ def test_sync_run_survives_a_killed_engine_then_stops_with_one_line(uninterrupte
         assert without_wall_time({**got, "generation/engine_restarts": 0.0}) == without_wall_time(expected)
     assert [r["generation/engine_restarts"] for r in rows] == [0.0, 1.0]
     said = [line for line in re.split(r"[\r\n]", err) if line.startswith("grpo: ")]  # not the progress bar's
-    assert said[-1] == ("grpo: run stopped at step 3: generation engine 0 of 1 died during generation "
-                        "(ActorDiedError) after 1 restart(s) (policy.generation.max_engine_restarts=1); the last "
-                        "checkpoint stays intact"), err
+    assert said[-1] == (
+        "grpo: run stopped at step 3: generation engine 0 of 1 died during generation "
+        "(ActorDiedError) after 1 restart(s) (policy.generation.max_engine_restarts=1); the last "
+        "checkpoint stays intact"
+    ), err
     assert "Traceback" not in err and err.count("ActorDiedError") == 1, err
 
 
@@ -162,9 +190,9 @@ def test_async_run_survives_a_killed_engine_under_the_collector(uninterrupted, t
     assert code == 0
     assert [r["generation/engine_restarts"] for r in rows] == [1.0, 1.0, 1.0]
     for got, expected in zip(rows, uninterrupted, strict=True):
-        assert {k: v for k, v in without_wall_time(got).items() if k in expected
-                and k != "generation/engine_restarts"} == without_wall_time(
-            {k: v for k, v in expected.items() if k != "generation/engine_restarts"})
+        assert {
+            k: v for k, v in without_wall_time(got).items() if k in expected and k != "generation/engine_restarts"
+        } == without_wall_time({k: v for k, v in expected.items() if k != "generation/engine_restarts"})
     assert [[(t, v) for t, v, _ in step] for step in taken] == [[(s, s - 1)] * PROMPTS for s in (1, 2, 3)]
     indices = [i for step in taken for _, _, i in step]
     assert len(indices) == len(set(indices)) == 3 * PROMPTS
@@ -219,8 +247,10 @@ def test_a_dead_engine_of_a_group_is_replaced_alone_with_the_current_weights(ray
 
     def sample():
         group.reseed(5)
-        return [(r.prompt_index, r.response_ids, r.response_logprobs)
-                for r in group.generate(prompts, SamplingSpec(max_new_tokens=4, n=2))]
+        return [
+            (r.prompt_index, r.response_ids, r.response_logprobs)
+            for r in group.generate(prompts, SamplingSpec(max_new_tokens=4, n=2))
+        ]
 
     try:
         group.update_weights(trainer.weights.remote(), 3)
@@ -235,8 +265,11 @@ def test_a_dead_engine_of_a_group_is_replaced_alone_with_the_current_weights(ray
         with pytest.raises(ValueError, match="not an engine's"):
             supervisor.retry("generation", lambda: (_ for _ in ()).throw(ValueError("not an engine's")))
         kill_engine_process(group.engines[1])
-        with pytest.raises(EngineFailed, match=r"^generation engine 1 of 2 died during generation \(ActorDiedError\) "
-                                               r"after 1 restart\(s\) \(policy.generation.max_engine_restarts=1\)"):
+        with pytest.raises(
+            EngineFailed,
+            match=r"^generation engine 1 of 2 died during generation \(ActorDiedError\) "
+            r"after 1 restart\(s\) \(policy.generation.max_engine_restarts=1\)",
+        ):
             supervisor.retry("generation", sample)
     finally:
         group.close()
@@ -247,6 +280,11 @@ def test_max_engine_restarts_is_refused_below_zero_at_its_key_path():
     from grpo_train.config import validate_config_dict
     from grpo_train.config.errors import ConfigError
 
-    assert validate_config_dict({"policy": {"generation": {"max_engine_restarts": 0}}}).policy.generation.max_engine_restarts == 0
+    assert (
+        validate_config_dict(
+            {"policy": {"generation": {"max_engine_restarts": 0}}}
+        ).policy.generation.max_engine_restarts
+        == 0
+    )
     with pytest.raises(ConfigError, match="policy.generation.max_engine_restarts"):
         validate_config_dict({"policy": {"generation": {"max_engine_restarts": -1}}})

@@ -14,8 +14,9 @@ def test_step_timeout_from_config_reaches_the_pool(monkeypatch):
             made[name] = (config, num_workers, kwargs)
 
     monkeypatch.setattr(grpo_envs.pool, "EnvPool", Recorder)
-    cfg = validate_config_dict({"env": {"math": {"num_workers": 2, "step_timeout_s": 30, "timeout_s": 2.0},
-                                        "code": {}}})
+    cfg = validate_config_dict(
+        {"env": {"math": {"num_workers": 2, "step_timeout_s": 30, "timeout_s": 2.0}, "code": {}}}
+    )
     build_envs(cfg)
     one_cpu = {"num_cpus": 1, "num_gpus": 0}
     builtin = {"env_class": None, "import_paths": ()}
@@ -34,10 +35,19 @@ def test_custom_class_and_reward_fn_reach_the_pool(monkeypatch, tmp_path):
 
     monkeypatch.setattr(grpo_envs.pool, "EnvPool", Recorder)
     monkeypatch.chdir(tmp_path)
-    cfg = validate_config_dict({"env": {
-        "mine": {"class": "my_pkg.envs:MyEnv", "level": 3, "resources": {"GPU": 1, "CPU": 2}},
-        "scored": {"reward_fn": "my_pkg.rewards:score"}}})
+    cfg = validate_config_dict(
+        {
+            "env": {
+                "mine": {"class": "my_pkg.envs:MyEnv", "level": 3, "resources": {"GPU": 1, "CPU": 2}},
+                "scored": {"reward_fn": "my_pkg.rewards:score"},
+            }
+        }
+    )
     build_envs(cfg)
     assert made["mine"] == ({"level": 3}, "my_pkg.envs:MyEnv", [str(tmp_path)], {"num_cpus": 2, "num_gpus": 1})
-    assert made["scored"] == ({"reward_fn": "my_pkg.rewards:score"}, "grpo_envs.reward_fn:RewardFnEnv",
-                              [str(tmp_path)], {"num_cpus": 1, "num_gpus": 0})
+    assert made["scored"] == (
+        {"reward_fn": "my_pkg.rewards:score"},
+        "grpo_envs.reward_fn:RewardFnEnv",
+        [str(tmp_path)],
+        {"num_cpus": 1, "num_gpus": 0},
+    )

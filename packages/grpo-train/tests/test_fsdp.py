@@ -35,10 +35,17 @@ BUCKET_BYTES = 64 * 1024  # several buckets per push of the tiny model
 
 def policy_cfg(num_workers: int, fsdp: bool | None = True, precision: str = "float32") -> PolicyConfig:
     """SGD with momentum: per-parameter optimizer state, sharded under FSDP2."""
-    return PolicyConfig(precision=precision, train_global_batch_size=8, train_micro_batch_size=2,
-                        logprob_batch_size=3, max_grad_norm=1.0, num_workers=num_workers,
-                        optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.5, "momentum": 0.9}},
-                        dtensor_cfg=DTensorConfig(enabled=fsdp), generation={"temperature": 0.7})
+    return PolicyConfig(
+        precision=precision,
+        train_global_batch_size=8,
+        train_micro_batch_size=2,
+        logprob_batch_size=3,
+        max_grad_norm=1.0,
+        num_workers=num_workers,
+        optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.5, "momentum": 0.9}},
+        dtensor_cfg=DTensorConfig(enabled=fsdp),
+        generation={"temperature": 0.7},
+    )
 
 
 def prepare(batch, logprobs):
@@ -179,7 +186,9 @@ def test_cpu_default_is_the_gloo_all_reduce_and_true_shards():
 # Runs before the module fixture starts its two groups: the session cluster has room for one
 # 2-rank group beside them, not two.
 @pytest.mark.slow
-def test_bf16_mixed_precision_ranks_reduce_fp32_gradients_as_one_worker(policy_batch, ray_session, tiny_qwen2_dir, tmp_path):
+def test_bf16_mixed_precision_ranks_reduce_fp32_gradients_as_one_worker(
+    policy_batch, ray_session, tiny_qwen2_dir, tmp_path
+):
     """policy.precision=bfloat16 on two FSDP2 ranks (MixedPrecisionPolicy: fp32 shards, bf16
     gathers, fp32 reduce-scatter) against one unsharded worker (fp32 masters, bf16 compute
     copy): the same bf16 logprobs, the same fp32 gradients (summed over the ranks in fp32) and
@@ -189,8 +198,9 @@ def test_bf16_mixed_precision_ranks_reduce_fp32_gradients_as_one_worker(policy_b
     # Micro-batches of 4 rows: the single worker's two are the two ranks' shards, so each bf16
     # forward/backward is the same computation on both sides and only the fp32 sums remain.
     def cfg(n: int) -> PolicyConfig:
-        return policy_cfg(n, precision="bfloat16").model_copy(update={"train_micro_batch_size": 4,
-                                                                      "logprob_batch_size": 4})
+        return policy_cfg(n, precision="bfloat16").model_copy(
+            update={"train_micro_batch_size": 4, "logprob_batch_size": 4}
+        )
 
     group = PolicyGroup(tiny_qwen2_dir, cfg(2), LOSS, ClusterConfig(), seed=0, num_threads=1)
     try:

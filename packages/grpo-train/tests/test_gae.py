@@ -74,13 +74,19 @@ def test_whiten_uses_only_masked_tokens():
 
 def inputs(scores=(1.0, 0.0)) -> EstimatorInput:
     mask = MASK.repeat(2, 1)
-    return EstimatorInput(rewards=last_token_rewards(torch.tensor(scores), mask), values=VALUES.repeat(2, 1),
-                          token_mask=mask, sample_mask=torch.ones(2), response_lengths=torch.tensor([3, 3]))
+    return EstimatorInput(
+        rewards=last_token_rewards(torch.tensor(scores), mask),
+        values=VALUES.repeat(2, 1),
+        token_mask=mask,
+        sample_mask=torch.ones(2),
+        response_lengths=torch.tensor([3, 3]),
+    )
 
 
 def test_gae_estimator_with_separate_policy_and_value_lambdas():
-    cfg = AdvEstimatorConfig(name="gae", gae_gamma=1.0, policy_gae_lambda=0.0, value_gae_lambda=1.0,
-                             normalize_advantages=False)
+    cfg = AdvEstimatorConfig(
+        name="gae", gae_gamma=1.0, policy_gae_lambda=0.0, value_gae_lambda=1.0, normalize_advantages=False
+    )
     adv, returns = compute_ppo_advantages(cfg, inputs())
     torch.testing.assert_close(adv[0], torch.tensor([0.0, 0.0, 0.1, 0.1, 0.3]))  # lambda 0: TD errors
     torch.testing.assert_close(returns[0], MASK[0])  # lambda 1: Monte Carlo return

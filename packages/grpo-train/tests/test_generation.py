@@ -192,7 +192,7 @@ def test_overlong_prompt_is_left_truncated_and_counted(backend, request):
     before = gen.num_truncated_prompts
     results = gen.generate([long_prompt, PROMPTS[1]], SamplingSpec(greedy=True, max_new_tokens=8))
     # One position stays free so the finished sample can still be scored.
-    assert results[0].prompt_ids == long_prompt[-(MAX_MODEL_LEN - 8 - 1):]
+    assert results[0].prompt_ids == long_prompt[-(MAX_MODEL_LEN - 8 - 1) :]
     assert len(results[0].prompt_ids) + len(results[0].response_ids) < MAX_MODEL_LEN
     assert results[1].prompt_ids == PROMPTS[1]
     assert gen.num_truncated_prompts == before + 1
@@ -229,5 +229,7 @@ def test_measure_generate_throughput(vllm_gen, hf_gen):
         seconds = time.perf_counter() - start
         tokens = sum(len(r.response_ids) for r in results)
         assert len(results) == 64
-        print(f"\n[measure] {name} generate 16 prompts x 4 samples: {tokens} tokens in "
-              f"{seconds:.2f} s = {tokens / seconds:.0f} tok/s")
+        print(
+            f"\n[measure] {name} generate 16 prompts x 4 samples: {tokens} tokens in "
+            f"{seconds:.2f} s = {tokens / seconds:.0f} tok/s"
+        )

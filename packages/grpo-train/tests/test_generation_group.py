@@ -18,8 +18,10 @@ PROMPTS = [[3 + (5 * i + j) % 60 for j in range(6 + i)] for i in range(5)]  # 5 
 
 def test_two_engines_answer_like_one(ray_session, tiny_qwen2_dir):
     torch.set_num_threads(1)
-    engines = [make_generation_actor("hf", tiny_qwen2_dir, num_cpus=1, max_model_len=64, temperature_for_logprobs=0.7)
-               for _ in range(2)]
+    engines = [
+        make_generation_actor("hf", tiny_qwen2_dir, num_cpus=1, max_model_len=64, temperature_for_logprobs=0.7)
+        for _ in range(2)
+    ]
     group = GeneratorGroup(engines)
     try:
         oracle = HFGenerator(tiny_qwen2_dir, max_model_len=64, temperature_for_logprobs=0.7)
@@ -30,7 +32,9 @@ def test_two_engines_answer_like_one(ray_session, tiny_qwen2_dir):
         assert [r.response_ids for r in got] == [r.response_ids for r in expected]
         for a, b in zip(got, expected):
             assert a.prompt_ids == b.prompt_ids
-            torch.testing.assert_close(torch.tensor(a.response_logprobs), torch.tensor(b.response_logprobs), atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                torch.tensor(a.response_logprobs), torch.tensor(b.response_logprobs), atol=1e-5, rtol=0
+            )
 
         sequences = [r.prompt_ids + r.response_ids for r in expected]
         prompt_lens = [len(r.prompt_ids) for r in expected]

@@ -29,10 +29,14 @@ def est(name: str, **kw) -> GRPOConfig:
 
 def batch(rewards, lengths, group_size=2, valid=None, components=None, kl=None) -> GroupBatch:
     r = torch.tensor(rewards, dtype=torch.float32)
-    return GroupBatch(rewards=r, valid=torch.ones(len(r), dtype=torch.bool) if valid is None else torch.tensor(valid),
-                      token_mask=mask_of(lengths), group_size=group_size,
-                      components=None if components is None else torch.tensor(components, dtype=torch.float32),
-                      kl_penalty=kl)
+    return GroupBatch(
+        rewards=r,
+        valid=torch.ones(len(r), dtype=torch.bool) if valid is None else torch.tensor(valid),
+        token_mask=mask_of(lengths),
+        group_size=group_size,
+        components=None if components is None else torch.tensor(components, dtype=torch.float32),
+        kl_penalty=kl,
+    )
 
 
 def tokens(adv: torch.Tensor, lengths: list[int]) -> list[float]:
@@ -42,8 +46,9 @@ def tokens(adv: torch.Tensor, lengths: list[int]) -> list[float]:
 # ------------------------------------------------------------------------------ grpo
 def test_grpo_broadcasts_the_group_advantage_to_every_response_token():
     lengths = [1, 2, 1, 1]
-    adv = estimate_advantages(est("grpo", normalize_rewards=False, use_leave_one_out_baseline=False),
-                              batch([1, 0, 1, 1], lengths))
+    adv = estimate_advantages(
+        est("grpo", normalize_rewards=False, use_leave_one_out_baseline=False), batch([1, 0, 1, 1], lengths)
+    )
     # groups [1, 0] (mean 0.5) and [1, 1] (mean 1)
     assert tokens(adv, lengths) == [0.5, -0.5, -0.5, 0.0, 0.0]
     assert adv[0, 1:].tolist() == [0.0, 0.0] and adv[1, 2] == 0.0  # nothing off the response
@@ -103,8 +108,10 @@ def test_gdpo_normalises_each_component_in_its_group_then_the_sum_over_the_batch
     # sum [0, 0, 0.5, -0.5]: mean 0, Bessel std sqrt(0.5 / 3)
     s = 1 / math.sqrt(0.5 / 3)
     torch.testing.assert_close(adv[:, 0], torch.tensor([0.0, 0.0, 0.5 * s, -0.5 * s]))
-    weighted = estimate_advantages(est("gdpo", normalize_rewards=False, use_leave_one_out_baseline=False,
-                                       reward_weights=[2.0, 1.0]), batch([0, 0, 0, 0], lengths, components=comps))
+    weighted = estimate_advantages(
+        est("gdpo", normalize_rewards=False, use_leave_one_out_baseline=False, reward_weights=[2.0, 1.0]),
+        batch([0, 0, 0, 0], lengths, components=comps),
+    )
     # 2 * [0.5, -0.5, 0, 0] + [-0.5, 0.5, 0.5, -0.5] = [0.5, -0.5, 0.5, -0.5]: std sqrt(1 / 3)
     torch.testing.assert_close(weighted[:, 0], torch.tensor([0.5, -0.5, 0.5, -0.5]) * math.sqrt(3))
 
@@ -113,7 +120,9 @@ def test_gdpo_needs_two_components_and_matching_weights():
     with pytest.raises(ValueError, match="at least two reward components"):
         estimate_advantages(est("gdpo"), batch([1, 0], [1, 1], components=[[1], [0]]))
     with pytest.raises(ValueError, match="reward_weights has 3 entries"):
-        estimate_advantages(est("gdpo", reward_weights=[1.0, 1.0, 1.0]), batch([1, 0], [1, 1], components=[[1, 0], [0, 1]]))
+        estimate_advantages(
+            est("gdpo", reward_weights=[1.0, 1.0, 1.0]), batch([1, 0], [1, 1], components=[[1, 0], [0, 1]])
+        )
 
 
 # --------------------------------------------------------------- invariances, clips, KL
@@ -124,16 +133,24 @@ def test_group_order_does_not_change_any_samples_advantage(name):
     comps = [[1, 0], [0, 1], [1, 1], [1, 0], [0, 0], [1, 1]]
     adv = estimate_advantages(est(name), batch(rewards, lengths, group_size=2, components=comps))
     order = [4, 5, 0, 1, 2, 3]  # groups 2, 0, 1
-    swapped = estimate_advantages(est(name), batch([rewards[i] for i in order], [lengths[i] for i in order],
-                                                   group_size=2, components=[comps[i] for i in order]))
+    swapped = estimate_advantages(
+        est(name),
+        batch(
+            [rewards[i] for i in order], [lengths[i] for i in order], group_size=2, components=[comps[i] for i in order]
+        ),
+    )
     torch.testing.assert_close(swapped, adv[order])
 
 
 def test_grpo_groups_are_independent_so_any_split_of_the_batch_agrees():
     rewards, lengths = [1, 0, 0.5, 1, 1, 0], [1, 2, 3, 1, 2, 2]
     whole = estimate_advantages(est("grpo"), batch(rewards, lengths))
-    halves = torch.cat([estimate_advantages(est("grpo"), batch(rewards[:2], lengths[:2])),
-                        estimate_advantages(est("grpo"), batch(rewards[2:], lengths[2:]))])
+    halves = torch.cat(
+        [
+            estimate_advantages(est("grpo"), batch(rewards[:2], lengths[:2])),
+            estimate_advantages(est("grpo"), batch(rewards[2:], lengths[2:])),
+        ]
+    )
     torch.testing.assert_close(whole, halves)
 
 

@@ -26,8 +26,10 @@ LIGHT_ENTRY_POINTS = ("grpo_cli.main", "grpo_train.config.checks", "grpo_train.p
 
 
 def light_modules() -> set[str]:
-    code = (f"import importlib, json, sys\nfor m in {LIGHT_ENTRY_POINTS!r}: importlib.import_module(m)\n"
-            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('grpo_train'))))")
+    code = (
+        f"import importlib, json, sys\nfor m in {LIGHT_ENTRY_POINTS!r}: importlib.import_module(m)\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.startswith('grpo_train'))))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     return set(json.loads(out))
 
@@ -88,7 +90,9 @@ def test_function_level_imports_say_why():
         rel = path.relative_to(SRC).with_suffix("")
         name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
         for line in uncommented(path.read_text(), name in light):
-            problems.append(f"{path.relative_to(SRC.parents[2])}:{line}: {path.read_text().splitlines()[line - 1].strip()}")
+            problems.append(
+                f"{path.relative_to(SRC.parents[2])}:{line}: {path.read_text().splitlines()[line - 1].strip()}"
+            )
     assert not problems, "function-level imports without a comment saying why:\n" + "\n".join(problems)
 
 

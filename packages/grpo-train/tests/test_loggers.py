@@ -44,7 +44,10 @@ def test_jsonl_rows_for_train_and_val(tmp_path):
         logger.log(TRAIN, step=1)
         logger.log({"accuracy": 0.71, "pass@1": 0.71}, step=1, split="val")
     rows = read_jsonl(tmp_path / "metrics.jsonl")
-    assert rows == [{"step": 1, "split": "train", **TRAIN}, {"step": 1, "split": "val", "accuracy": 0.71, "pass@1": 0.71}]
+    assert rows == [
+        {"step": 1, "split": "train", **TRAIN},
+        {"step": 1, "split": "val", "accuracy": 0.71, "pass@1": 0.71},
+    ]
 
 
 def test_numpy_scalars_are_written_as_plain_numbers(tmp_path):
@@ -63,7 +66,13 @@ def test_resume_drops_replayed_steps(tmp_path):
     with make_logger(tmp_path, start_step=3) as logger:
         logger.log({"reward_mean": 0.44}, step=4)
     rows = read_jsonl(tmp_path / "metrics.jsonl")
-    assert [(r["step"], r["split"]) for r in rows] == [(1, "train"), (2, "train"), (3, "train"), (3, "val"), (4, "train")]
+    assert [(r["step"], r["split"]) for r in rows] == [
+        (1, "train"),
+        (2, "train"),
+        (3, "train"),
+        (3, "val"),
+        (4, "train"),
+    ]
     assert rows[-1]["reward_mean"] == 0.44
     assert (tmp_path / "samples.jsonl").read_text() == ""
 
@@ -130,22 +139,31 @@ def test_console_line_format():
     )
     assert format_train_line({"loss": 0.5}, 3, 100) == "step   3/100 | loss 0.5"
     # the first step of a process also carries its start-up time (process start -> first step)
-    assert format_train_line({"loss": 0.5, "timing/startup_s": 12.34}, 1, 100) == "step   1/100 | loss 0.5 | start-up 12.3 s"
+    assert (
+        format_train_line({"loss": 0.5, "timing/startup_s": 12.34}, 1, 100)
+        == "step   1/100 | loss 0.5 | start-up 12.3 s"
+    )
     assert format_val_line({"pass@8": 0.9, "accuracy": 0.71, "pass@1": 0.71}, 10) == (
         "val step 10 | accuracy 0.71 pass@1 0.71 pass@8 0.90"
     )
 
 
 def test_console_prints_one_line_per_step_and_samples(tmp_path, capsys):
-    with make_logger(tmp_path, console_enabled=True, num_val_samples_to_print=1, total_steps=60, start_step=11) as logger:
+    with make_logger(
+        tmp_path, console_enabled=True, num_val_samples_to_print=1, total_steps=60, start_step=11
+    ) as logger:
         logger.log(TRAIN, step=12)
         logger.log({"accuracy": 0.71, "pass@1": 0.71}, step=12, split="val")
         logger.log_samples(
-            [{"prompt": "2+3=", "response": "5", "reward": 1.0}, {"prompt": "4+4=", "response": "9", "reward": 0.0}], step=12
+            [{"prompt": "2+3=", "response": "5", "reward": 1.0}, {"prompt": "4+4=", "response": "9", "reward": 0.0}],
+            step=12,
         )
     captured = capsys.readouterr()
     lines = captured.out.splitlines()
-    assert "step 12/60 | reward 0.62 acc 0.62 | loss -0.013 kl 0.0021 | gn 0.41 lr 1.0e-04 | 0.93 s/step 2.1k tok/s" in lines
+    assert (
+        "step 12/60 | reward 0.62 acc 0.62 | loss -0.013 kl 0.0021 | gn 0.41 lr 1.0e-04 | 0.93 s/step 2.1k tok/s"
+        in lines
+    )
     assert "val step 12 | accuracy 0.71 pass@1 0.71" in lines
     assert "prompt:   2+3=" in lines and "response: 5" in lines
     assert "4+4=" not in captured.out  # only num_val_samples_to_print are shown ...
@@ -202,7 +220,9 @@ def test_wandb_offline_run_folder_has_the_logged_values(tmp_path):
     for record in read_wandb_records(run_file):
         kind = record.WhichOneof("record_type")
         if kind == "history":
-            history.append({"/".join(item.nested_key) or item.key: json.loads(item.value_json) for item in record.history.item})
+            history.append(
+                {"/".join(item.nested_key) or item.key: json.loads(item.value_json) for item in record.history.item}
+            )
         elif kind == "run":
             run_record = record.run
     assert run_record.display_name == "test-run" and run_record.project == "grpo"

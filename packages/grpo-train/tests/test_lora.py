@@ -19,10 +19,15 @@ DIM, ALPHA = 4, 8
 
 def lora_policy(lr: float = 1e-2, **lora) -> PolicyConfig:
     return PolicyConfig(
-        precision=lora.pop("precision", "float32"), train_global_batch_size=8, train_micro_batch_size=4,
-        logprob_batch_size=4, max_grad_norm=None, generation={"temperature": 1.0},
+        precision=lora.pop("precision", "float32"),
+        train_global_batch_size=8,
+        train_micro_batch_size=4,
+        logprob_batch_size=4,
+        max_grad_norm=None,
+        generation={"temperature": 1.0},
         optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": lr, "weight_decay": 0.0}},
-        dtensor_cfg={"lora_cfg": {"enabled": True, "dim": DIM, "alpha": ALPHA, **lora}})
+        dtensor_cfg={"lora_cfg": {"enabled": True, "dim": DIM, "alpha": ALPHA, **lora}},
+    )
 
 
 def make_batch(seed: int = 0, B: int = 8) -> dict[str, torch.Tensor]:
@@ -33,10 +38,14 @@ def make_batch(seed: int = 0, B: int = 8) -> dict[str, torch.Tensor]:
     token_mask = attention_mask.float().clone()
     token_mask[:, :3] = 0
     adv = torch.randn(B, generator=g)
-    return {"input_ids": torch.randint(0, VOCAB, (B, S), generator=g) * attention_mask,
-            "attention_mask": attention_mask, "token_mask": token_mask,
-            "gen_logprobs": -torch.rand(B, S, generator=g) * token_mask,
-            "advantages": adv[:, None] * token_mask, "sample_mask": torch.ones(B)}
+    return {
+        "input_ids": torch.randint(0, VOCAB, (B, S), generator=g) * attention_mask,
+        "attention_mask": attention_mask,
+        "token_mask": token_mask,
+        "gen_logprobs": -torch.rand(B, S, generator=g) * token_mask,
+        "advantages": adv[:, None] * token_mask,
+        "sample_mask": torch.ones(B),
+    }
 
 
 def step_batch(worker: PolicyWorker, seed: int) -> dict[str, torch.Tensor]:
@@ -116,8 +125,9 @@ def test_merged_refit_is_w_plus_scaled_ba_and_leaves_the_trainer_unmerged(traine
     assert set(pushed) == set(plain.state_dict()) - {"lm_head.weight"}  # tied head: sent once
     plain.load_state_dict(pushed, strict=False)
     batch = make_batch(2)
-    torch.testing.assert_close(plain_logprobs(plain, batch), worker.logprobs(batch) * batch["attention_mask"],
-                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        plain_logprobs(plain, batch), worker.logprobs(batch) * batch["attention_mask"], rtol=0, atol=1e-5
+    )
 
 
 def test_bf16_compute_keeps_fp32_masters_for_the_adapters_only(tiny_qwen2_dir):
@@ -128,8 +138,11 @@ def test_bf16_compute_keeps_fp32_masters_for_the_adapters_only(tiny_qwen2_dir):
     worker.train(step_batch(worker, 0))
     for master, compute in zip(worker.master.parameters(), worker.master.compute):
         assert torch.equal(compute, master.detach().to(torch.bfloat16))  # the compute copy is the masters' cast
-    assert any(float(m.detach().abs().max()) > 0 for n, m in zip(worker.master.names, worker.master.parameters())
-               if ".lora_B." in n)
+    assert any(
+        float(m.detach().abs().max()) > 0
+        for n, m in zip(worker.master.names, worker.master.parameters())
+        if ".lora_B." in n
+    )
 
 
 def test_lora_a_init_is_rank_independent_and_follows_lora_A_init(tiny_qwen2_dir):
@@ -147,12 +160,22 @@ def test_lora_a_init_is_rank_independent_and_follows_lora_A_init(tiny_qwen2_dir)
 
 
 def test_target_modules_select_layers_and_exclude_modules_remove_them(tiny_qwen2_dir):
-    w = PolicyWorker(tiny_qwen2_dir, lora_policy(match_all_linear=False, target_modules=["q_proj", "v_proj"],
-                                                 exclude_modules=["model.layers.1.self_attn.v_proj"]),
-                     LossConfig(), seed=0)
+    w = PolicyWorker(
+        tiny_qwen2_dir,
+        lora_policy(
+            match_all_linear=False,
+            target_modules=["q_proj", "v_proj"],
+            exclude_modules=["model.layers.1.self_attn.v_proj"],
+        ),
+        LossConfig(),
+        seed=0,
+    )
     adapted = sorted({n.split(".lora_")[0] for n in w.master.names})
-    assert adapted == ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj",
-                       "model.layers.1.self_attn.q_proj"]
+    assert adapted == [
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.0.self_attn.v_proj",
+        "model.layers.1.self_attn.q_proj",
+    ]
 
 
 def test_dropout_reaches_the_adapter_input(tiny_qwen2_dir):
@@ -182,8 +205,9 @@ def test_checkpoint_is_peft_format_with_a_merged_export_and_resumes_bitwise(tiny
     # PEFT format: peft loads the adapters onto the base model and scores like the worker that saved them.
     batch = make_batch(5)
     saved = first.logprobs(batch) * batch["attention_mask"]
-    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32),
-                                           str(tmp_path / ADAPTER_DIR))
+    peft_model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32), str(tmp_path / ADAPTER_DIR)
+    )
     torch.testing.assert_close(plain_logprobs(peft_model.get_base_model(), batch), saved, rtol=0, atol=1e-6)
     # model/: the merged HF model (what `grpo eval --checkpoint` loads), plain names, no adapters.
     torch.testing.assert_close(plain_logprobs(str(tmp_path / "model"), batch), saved, rtol=0, atol=1e-5)
@@ -202,8 +226,9 @@ def test_bad_lora_input_is_refused_at_its_key_before_training(tiny_qwen2_dir):
     with pytest.raises(StartupError, match=r"^policy.dtensor_cfg.lora_cfg.target_modules: an adapter on lm_head"):
         check_model_options(cfg(match_all_linear=False, target_modules=["lm_head"]), tiny_qwen2_dir)
     with pytest.raises(StartupError, match=r"^policy.dtensor_cfg.lora_cfg.exclude_modules: excludes every"):
-        check_model_options(cfg(match_all_linear=False, target_modules=["q_proj"], exclude_modules=["q_proj"]),
-                            tiny_qwen2_dir)
+        check_model_options(
+            cfg(match_all_linear=False, target_modules=["q_proj"], exclude_modules=["q_proj"]), tiny_qwen2_dir
+        )
 
 
 def test_moe_models_are_refused():
@@ -212,9 +237,17 @@ def test_moe_models_are_refused():
     from grpo_train.config.schema import LoRAConfig
     from grpo_train.policy.lora import LoRAConfigError, check_lora
 
-    config = Qwen3MoeConfig(vocab_size=32, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, num_experts=4,
-                            num_experts_per_tok=2)
+    config = Qwen3MoeConfig(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
     with torch.device("meta"):
         model = Qwen3MoeForCausalLM(config)
     with pytest.raises(LoRAConfigError, match=r"^policy.dtensor_cfg.lora_cfg.enabled: LoRA on mixture-of-experts"):
@@ -243,8 +276,11 @@ def test_adapter_refit_is_accepted_and_its_unsupported_combinations_are_refused_
     policy = Policy()
     factories = engine_factories(cfg, "/model", policy)
     assert [f.keywords["lora_adapter"] for f in factories] == [{"dim": 8, "alpha": 32}]
-    attach_generators(cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"gpus_per_node": 1})}),
-                      policy, generator=SimpleNamespace(engines=[]))  # auto on separate GPUs would be collective
+    attach_generators(
+        cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"gpus_per_node": 1})}),
+        policy,
+        generator=SimpleNamespace(engines=[]),
+    )  # auto on separate GPUs would be collective
     assert type(policy.transport).__name__ == "ObjectStoreTransport"
     merged = validate_config_dict({"policy": {"dtensor_cfg": {"lora_cfg": {"enabled": True}}}})
     assert "lora_adapter" not in engine_factories(merged, "/model", policy)[0].keywords
@@ -257,15 +293,20 @@ def test_adapter_refit_is_accepted_and_its_unsupported_combinations_are_refused_
         return str(err.value)
 
     assert "policy.dtensor_cfg.lora_cfg.refit: adapter needs policy.generation.backend: vllm" in refused(
-        {"policy": {"generation": {"backend": "hf"}}})
+        {"policy": {"generation": {"backend": "hf"}}}
+    )
     for transport in ("collective", "ipc"):
         assert f"policy.generation.weight_transport: '{transport}' with lora_cfg.refit: adapter" in refused(
-            {"policy": {"generation": {"weight_transport": transport}}})
+            {"policy": {"generation": {"weight_transport": transport}}}
+        )
     assert "grpo.async_grpo with policy.dtensor_cfg.lora_cfg.refit: adapter is not supported" in refused(
-        {"grpo": {"async_grpo": {"enabled": True}}, "loss_fn": {"use_importance_sampling_correction": True}})
+        {"grpo": {"async_grpo": {"enabled": True}}, "loss_fn": {"use_importance_sampling_correction": True}}
+    )
     big = {"dtensor_cfg": {"lora_cfg": {**adapter["policy"]["dtensor_cfg"]["lora_cfg"], "dim": 513}}}
-    assert "policy.dtensor_cfg.lora_cfg.dim: 513 with refit: adapter exceeds vLLM's largest max_lora_rank (512)" in refused(
-        {"policy": big})
+    assert (
+        "policy.dtensor_cfg.lora_cfg.dim: 513 with refit: adapter exceeds vLLM's largest max_lora_rank (512)"
+        in refused({"policy": big})
+    )
     # The engine's side reads the same bound (config/schema/generation.py): 512 fits, 513 does not.
     from grpo_train.generation.lora_adapter import vllm_max_lora_rank
 

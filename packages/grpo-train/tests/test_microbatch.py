@@ -41,18 +41,23 @@ def check_partition(plan: list[MicroBatch], lengths: list[int]) -> None:
 
 
 # ----------------------------------------------------------------------- choosing
-@pytest.mark.parametrize("kw,planner", [
-    ({}, PaddedRows),
-    ({"dynamic_batching": {"enabled": True}}, DynamicBatching),
-    ({"sequence_packing": {"enabled": True}}, SequencePacking),
-])
+@pytest.mark.parametrize(
+    "kw,planner",
+    [
+        ({}, PaddedRows),
+        ({"dynamic_batching": {"enabled": True}}, DynamicBatching),
+        ({"sequence_packing": {"enabled": True}}, SequencePacking),
+    ],
+)
 def test_make_planner_follows_the_config(kw, planner):
     assert type(make_planner(cfg(**kw), "train")) is planner
     assert type(make_planner(cfg(**kw), "logprob")) is planner
 
 
 def test_budgets_and_row_counts_come_from_the_purpose():
-    c = cfg(dynamic_batching={"enabled": True, "train_mb_tokens": 100, "logprob_mb_tokens": 300, "sequence_length_round": 8})
+    c = cfg(
+        dynamic_batching={"enabled": True, "train_mb_tokens": 100, "logprob_mb_tokens": 300, "sequence_length_round": 8}
+    )
     train, logprob = make_planner(c, "train"), make_planner(c, "logprob")
     assert (train.budget, train.round_to, train.key) == (100, 8, "policy.dynamic_batching.train_mb_tokens")
     assert (logprob.budget, logprob.key) == (300, "policy.dynamic_batching.logprob_mb_tokens")
@@ -117,11 +122,15 @@ def test_unknown_packing_algorithm_names_the_key():
         SequencePacking(64, 1, "k", "nope")
 
 
-@pytest.mark.parametrize("planner", [DynamicBatching(50, 8, "policy.x.train_mb_tokens"),
-                                     SequencePacking(50, 8, "policy.x.train_mb_tokens")])
+@pytest.mark.parametrize(
+    "planner", [DynamicBatching(50, 8, "policy.x.train_mb_tokens"), SequencePacking(50, 8, "policy.x.train_mb_tokens")]
+)
 def test_a_sequence_over_the_budget_is_an_error_naming_the_key(planner):
-    with pytest.raises(ValueError, match=r"policy.x.train_mb_tokens=50: row 2 of the batch is 61 tokens long "
-                                         r"\(2 row\(s\) exceed the budget\).*at least 61"):
+    with pytest.raises(
+        ValueError,
+        match=r"policy.x.train_mb_tokens=50: row 2 of the batch is 61 tokens long "
+        r"\(2 row\(s\) exceed the budget\).*at least 61",
+    ):
         planner.plan([10, 51, 61, 3], batch_width=61)
     planner.plan([10, 50, 3], batch_width=50)  # exactly the budget fits
 

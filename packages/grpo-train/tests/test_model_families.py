@@ -29,9 +29,19 @@ from grpo_train.refit.tensors import iter_refit_tensors, state_dict_for_refit
 TEMPERATURE = 0.7
 ATOL = 1e-4  # the fp32 refit threshold (test_refit.py)
 README = Path(__file__).resolve().parents[1] / "README.md"
-_DECODER = dict(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-                num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, eos_token_id=1, bos_token_id=2,
-                tie_word_embeddings=False)
+_DECODER = dict(
+    vocab_size=64,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    eos_token_id=1,
+    bos_token_id=2,
+    tie_word_embeddings=False,
+)
 
 
 def _config(model_type: str):
@@ -43,17 +53,28 @@ def _config(model_type: str):
         "mistral": lambda: T.MistralConfig(**_DECODER, **hd),
         "qwen2": lambda: T.Qwen2Config(**_DECODER, **hd),
         "qwen3": lambda: T.Qwen3Config(**_DECODER, **hd),
-        "qwen3_moe": lambda: T.Qwen3MoeConfig(**_DECODER, **hd, num_experts=4, num_experts_per_tok=2,
-                                              moe_intermediate_size=64, decoder_sparse_step=1),
+        "qwen3_moe": lambda: T.Qwen3MoeConfig(
+            **_DECODER, **hd, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1
+        ),
         "gemma2": lambda: T.Gemma2Config(**{**_DECODER, "tie_word_embeddings": True}, **hd),
-        "gemma3_text": lambda: T.Gemma3TextConfig(**{**_DECODER, "tie_word_embeddings": True}, **hd,
-                                                  final_logit_softcapping=30.0),
+        "gemma3_text": lambda: T.Gemma3TextConfig(
+            **{**_DECODER, "tie_word_embeddings": True}, **hd, final_logit_softcapping=30.0
+        ),
         "phi3": lambda: T.Phi3Config(**_DECODER),
         "olmo2": lambda: T.Olmo2Config(**_DECODER),
-        "granite": lambda: T.GraniteConfig(**_DECODER, logits_scaling=4.0, embedding_multiplier=2.0,
-                                           residual_multiplier=0.5, attention_multiplier=0.1),
-        "gpt2": lambda: T.GPT2Config(vocab_size=64, n_embd=128, n_layer=2, n_head=2, n_positions=256, pad_token_id=0,
-                                     eos_token_id=1, bos_token_id=2),
+        "granite": lambda: T.GraniteConfig(
+            **_DECODER, logits_scaling=4.0, embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.1
+        ),
+        "gpt2": lambda: T.GPT2Config(
+            vocab_size=64,
+            n_embd=128,
+            n_layer=2,
+            n_head=2,
+            n_positions=256,
+            pad_token_id=0,
+            eos_token_id=1,
+            bos_token_id=2,
+        ),
     }[model_type]()
 
 
@@ -219,7 +240,9 @@ def test_unsupported_layout_is_refused_with_the_model_type(family_dirs):
     model = load(path)
     fused = [n for n in model.state_dict()]  # the in-memory (fused) names, as a push without the rule
     expected = set(dict(iter_refit_tensors(model)))
-    with pytest.raises(UnsupportedFamilyError, match=r"model type 'qwen3_moe'.*missing \['model.layers.0.mlp.experts.0"):
+    with pytest.raises(
+        UnsupportedFamilyError, match=r"model type 'qwen3_moe'.*missing \['model.layers.0.mlp.experts.0"
+    ):
         check_weight_names(fused, expected, path)
     model.config.model_type = "made_up"
     with pytest.raises(UnsupportedFamilyError, match="'made_up' is not in grpo's family registry"):
@@ -238,8 +261,13 @@ ENGINE_XFAIL: dict[str, str] = {}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", [pytest.param(t, marks=pytest.mark.xfail(reason=ENGINE_XFAIL[t], strict=True))
-                                        if t in ENGINE_XFAIL else t for t in FAMILIES])
+@pytest.mark.parametrize(
+    "model_type",
+    [
+        pytest.param(t, marks=pytest.mark.xfail(reason=ENGINE_XFAIL[t], strict=True)) if t in ENGINE_XFAIL else t
+        for t in FAMILIES
+    ],
+)
 def test_engine_refit(model_type, family_dirs):
     """One engine per family, started one after another in this process (~2-10 s each once vLLM
     is imported): push after one optimizer step, then the engine runs the trainer's weights."""

@@ -24,9 +24,20 @@ def moe_dir(tmp_path_factory) -> str:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                            num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, max_position_embeddings=64)
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        max_position_embeddings=64,
+    )
     model = Qwen3MoeForCausalLM(config)
     with torch.no_grad():  # a router far from uniform, so the loss is far from its minimum
         for layer in model.model.layers:
@@ -43,16 +54,28 @@ def make_batch() -> dict[str, torch.Tensor]:
     token_mask = attention_mask.float().clone()
     token_mask[:, :2] = 0
     gen = -torch.rand(B, S, generator=g) * token_mask
-    return {"input_ids": torch.randint(0, VOCAB, (B, S), generator=g) * attention_mask,
-            "attention_mask": attention_mask, "token_mask": token_mask, "gen_logprobs": gen,
-            "prev_logprobs": gen, "advantages": torch.randn(B, 1, generator=g) * token_mask,
-            "sample_mask": torch.ones(B)}
+    return {
+        "input_ids": torch.randint(0, VOCAB, (B, S), generator=g) * attention_mask,
+        "attention_mask": attention_mask,
+        "token_mask": token_mask,
+        "gen_logprobs": gen,
+        "prev_logprobs": gen,
+        "advantages": torch.randn(B, 1, generator=g) * token_mask,
+        "sample_mask": torch.ones(B),
+    }
 
 
 def policy_cfg(coeff: float, **kw) -> PolicyConfig:
-    return PolicyConfig(precision="float32", train_global_batch_size=B, train_micro_batch_size=B, max_grad_norm=None,
-                        optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.1}}, moe_aux_loss_coeff=coeff,
-                        use_fused_kernels=False, **kw)
+    return PolicyConfig(
+        precision="float32",
+        train_global_batch_size=B,
+        train_micro_batch_size=B,
+        max_grad_norm=None,
+        optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.1}},
+        moe_aux_loss_coeff=coeff,
+        use_fused_kernels=False,
+        **kw,
+    )
 
 
 def train_step(path: str, coeff: float, **kw) -> tuple[dict[str, float], torch.Tensor]:
@@ -79,8 +102,9 @@ def hf_aux_loss(path: str) -> float:
     return float(out.aux_loss)
 
 
-PACKED = {"sequence_packing": {"enabled": True, "train_mb_tokens": 64, "logprob_mb_tokens": 64,
-                               "sequence_length_round": 1}}
+PACKED = {
+    "sequence_packing": {"enabled": True, "train_mb_tokens": 64, "logprob_mb_tokens": 64, "sequence_length_round": 1}
+}
 
 
 @pytest.mark.parametrize("layout", [{}, PACKED], ids=["padded", "packed"])
@@ -105,4 +129,3 @@ def test_non_moe_model_is_refused_at_the_key(tiny_qwen2_dir):
     with pytest.raises(StartupError, match=r"^policy.moe_aux_loss_coeff: model type 'qwen2'"):
         check_model_options(cfg, tiny_qwen2_dir)
     check_model_options(GRPOMasterConfig(), tiny_qwen2_dir)  # off: no check
-

@@ -22,9 +22,19 @@ def model_dir(tmp_path_factory):
 
     tok = make_char_tokenizer(chat_template=None)
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=128,
-                         tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     path = tmp_path_factory.mktemp("guess-model")
     Qwen2ForCausalLM(config).save_pretrained(path)
     tok.save_pretrained(path)
@@ -51,8 +61,13 @@ def generator(ray_session, model_dir):
 
 def datum(tokenizer, text: str, target: int) -> DatumSpec:
     ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return DatumSpec([{"role": "user", "content": text, "token_ids": ids}], len(ids), {"target": target},
-                     env_name="number_guess", task_name="guess")
+    return DatumSpec(
+        [{"role": "user", "content": text, "token_ids": ids}],
+        len(ids),
+        {"target": target},
+        env_name="number_guess",
+        task_name="guess",
+    )
 
 
 def test_multi_turn_rollout_masks_observations_and_sums_rewards(generator, tokenizer):
@@ -69,8 +84,10 @@ def test_multi_turn_rollout_masks_observations_and_sums_rewards(generator, token
         observed = [t for t, m in zip(r.response_ids, r.response_mask) if m == 0]
         # Each of the two observations is a hint ("higher", "lower" or the no-number hint: a
         # random model seldom writes a number), encoded as the loop encodes it.
-        hints = [observation_ids(tokenizer, {"content": h})
-                 for h in ("higher", "lower", "no number found; answer with an integer")]
+        hints = [
+            observation_ids(tokenizer, {"content": h})
+            for h in ("higher", "lower", "no number found; answer with an integer")
+        ]
         assert all(hints) and observed in [a + b for a in hints for b in hints]
         assert all(lp == 0.0 for lp, m in zip(r.gen_logprobs, r.response_mask) if m == 0)
         assert all(lp < 0.0 for lp, m in zip(r.gen_logprobs, r.response_mask) if m == 1)
@@ -106,10 +123,14 @@ def test_solved_conversation_stops_and_is_rewarded(arith):
     prompt = tok("12+30=", add_special_tokens=False)["input_ids"]
     (first,) = generator.generate([prompt], greedy)
     guess = int(first.text.strip())  # the model answers additions with an integer
-    result = multi_turn_rollout(generator, envs, [datum(tok, "12+30=", guess)], greedy, tok, max_turns=4, max_total_len=64)
+    result = multi_turn_rollout(
+        generator, envs, [datum(tok, "12+30=", guess)], greedy, tok, max_turns=4, max_total_len=64
+    )
     (r,) = result.rollouts
     assert r.turns == 1 and r.reward == 1.0 and r.response_mask == [1] * len(r.response_ids)
     # A wrong secret: the conversation runs all four turns and scores 0.
-    result = multi_turn_rollout(generator, envs, [datum(tok, "12+30=", guess + 1000)], greedy, tok, max_turns=4, max_total_len=64)
+    result = multi_turn_rollout(
+        generator, envs, [datum(tok, "12+30=", guess + 1000)], greedy, tok, max_turns=4, max_total_len=64
+    )
     (r,) = result.rollouts
     assert r.turns == 4 and r.reward == 0.0

@@ -17,8 +17,12 @@ from grpo_train.policy.worker import PolicyWorker
 
 VOCAB = 48
 B, S = 8, 20
-PACKING = {"sequence_packing": {"enabled": True, "train_mb_tokens": 40, "logprob_mb_tokens": 48, "sequence_length_round": 16}}
-DYNAMIC = {"dynamic_batching": {"enabled": True, "train_mb_tokens": 48, "logprob_mb_tokens": 64, "sequence_length_round": 4}}
+PACKING = {
+    "sequence_packing": {"enabled": True, "train_mb_tokens": 40, "logprob_mb_tokens": 48, "sequence_length_round": 16}
+}
+DYNAMIC = {
+    "dynamic_batching": {"enabled": True, "train_mb_tokens": 48, "logprob_mb_tokens": 64, "sequence_length_round": 4}
+}
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -28,18 +32,32 @@ def model_dir(tmp_path_factory):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=64,
-                         tie_word_embeddings=True)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
     path = tmp_path_factory.mktemp("tiny-gqa")
     Qwen2ForCausalLM(config).save_pretrained(path)
     return str(path)
 
 
 def policy_cfg(**kw) -> PolicyConfig:
-    base = dict(precision="float32", train_global_batch_size=8, train_micro_batch_size=4, logprob_batch_size=3,
-                max_grad_norm=None, optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 1.0}},
-                generation={"temperature": 0.7})
+    base = dict(
+        precision="float32",
+        train_global_batch_size=8,
+        train_micro_batch_size=4,
+        logprob_batch_size=3,
+        max_grad_norm=None,
+        optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 1.0}},
+        generation={"temperature": 0.7},
+    )
     base.update(kw)
     return PolicyConfig(**base)
 
@@ -56,8 +74,14 @@ def make_batch(seed: int = 0) -> dict[str, torch.Tensor]:
     sample_mask[5] = 0
     gen = -torch.rand(B, S, generator=g) * token_mask
     adv = torch.randn(B, generator=g)
-    return {"input_ids": input_ids * attention_mask, "attention_mask": attention_mask, "token_mask": token_mask,
-            "gen_logprobs": gen, "advantages": adv[:, None] * token_mask, "sample_mask": sample_mask}
+    return {
+        "input_ids": input_ids * attention_mask,
+        "attention_mask": attention_mask,
+        "token_mask": token_mask,
+        "gen_logprobs": gen,
+        "advantages": adv[:, None] * token_mask,
+        "sample_mask": sample_mask,
+    }
 
 
 def train_once(model_dir, batch, loss_cfg=None, **kw):
@@ -113,7 +137,9 @@ def test_packing_matches_padded_with_sequence_level_loss_and_fused_head(model_di
 def test_packed_micro_batches_hold_several_rows(model_dir):
     """The equality tests above are only meaningful if rows really share a packed stream."""
     batch = make_batch()
-    plan = microbatch.make_planner(policy_cfg(**PACKING), "train").plan(microbatch.row_lengths(batch["attention_mask"]), S)
+    plan = microbatch.make_planner(policy_cfg(**PACKING), "train").plan(
+        microbatch.row_lengths(batch["attention_mask"]), S
+    )
     assert all(mb.packed for mb in plan)
     assert max(len(mb.rows) for mb in plan) >= 3
     assert any(mb.width > sum(mb.lengths) for mb in plan)  # a padding tail (sequence_length_round 16)
@@ -162,12 +188,19 @@ def run_rank(rank: int, port: int, model_dir: str, data: str) -> dict:
 
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120)
+    )
     try:
         spec = torch.load(data)
-        worker = PolicyWorker(model_dir, PolicyConfig(**spec["cfg"]), LossConfig(reference_policy_kl_penalty=0.0), seed=0,
-                              rank=rank, world_size=2)
+        worker = PolicyWorker(
+            model_dir,
+            PolicyConfig(**spec["cfg"]),
+            LossConfig(reference_policy_kl_penalty=0.0),
+            seed=0,
+            rank=rank,
+            world_size=2,
+        )
         calls = []
         run = worker._microbatch_logprobs
         worker._microbatch_logprobs = lambda model, batch, mb: calls.append(mb) or run(model, batch, mb)
@@ -198,24 +231,45 @@ def test_data_parallel_ranks_with_different_bin_counts_stay_in_step(model_dir, t
     import subprocess
     import sys
 
-    cfg = dict(precision="float32", train_global_batch_size=8, train_micro_batch_size=4, logprob_batch_size=4,
-               max_grad_norm=None, optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 1.0}},
-               generation={"temperature": 0.7}, **PACKING)
+    cfg = dict(
+        precision="float32",
+        train_global_batch_size=8,
+        train_micro_batch_size=4,
+        logprob_batch_size=4,
+        max_grad_norm=None,
+        optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 1.0}},
+        generation={"temperature": 0.7},
+        **PACKING,
+    )
     batch = make_batch()
     order = [1, 2, 3, 5, 0, 4, 6, 7]  # rank 0: lengths 3, 11, 7, 5 (one bin); rank 1: 20, 16, 13, 9
     batch = {k: v[order] for k, v in batch.items()}
     shards = [{k: v[:4] for k, v in batch.items()}, {k: v[4:] for k, v in batch.items()}]
-    bins = {purpose: [len(microbatch.make_planner(PolicyConfig(**cfg), purpose).plan(
-        microbatch.row_lengths(s["attention_mask"]), S)) for s in shards] for purpose in ("logprob", "train")}
+    bins = {
+        purpose: [
+            len(
+                microbatch.make_planner(PolicyConfig(**cfg), purpose).plan(
+                    microbatch.row_lengths(s["attention_mask"]), S
+                )
+            )
+            for s in shards
+        ]
+        for purpose in ("logprob", "train")
+    }
     assert bins["train"][0] < bins["train"][1]
     valid = batch["token_mask"] * batch["sample_mask"][:, None]
     data = tmp_path / "data.pt"
-    torch.save({"cfg": cfg, "shards": shards, "tokens": float(valid.sum()), "seqs": float(batch["sample_mask"].sum())}, data)
+    torch.save(
+        {"cfg": cfg, "shards": shards, "tokens": float(valid.sum()), "seqs": float(batch["sample_mask"].sum())}, data
+    )
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    child = subprocess.Popen([sys.executable, "-c", RANK_1, __file__, str(port), model_dir, str(data), str(tmp_path / "rank1.pt")],
-                             stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", RANK_1, __file__, str(port), model_dir, str(data), str(tmp_path / "rank1.pt")],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         rank0 = run_rank(0, port, model_dir, str(data))
     finally:
@@ -232,10 +286,13 @@ def test_data_parallel_ranks_with_different_bin_counts_stay_in_step(model_dir, t
             torch.testing.assert_close(r["weights"][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("layout,key", [
-    (PACKING, "policy.sequence_packing.train_mb_tokens"),
-    (DYNAMIC, "policy.dynamic_batching.train_mb_tokens"),
-])
+@pytest.mark.parametrize(
+    "layout,key",
+    [
+        (PACKING, "policy.sequence_packing.train_mb_tokens"),
+        (DYNAMIC, "policy.dynamic_batching.train_mb_tokens"),
+    ],
+)
 def test_sequence_over_the_token_budget_is_an_error_naming_the_key(model_dir, layout, key):
     section = next(iter(layout))
     small = {section: {**layout[section], "train_mb_tokens": 16}}
@@ -266,8 +323,9 @@ def per_sequence_attention(q, k, v, lengths):
     out, start = [], 0
     for n in filter(None, lengths):
         s = slice(start, start + n)
-        o = F.scaled_dot_product_attention(q[:, :, s], k[:, :, s].repeat_interleave(rep, 1),
-                                           v[:, :, s].repeat_interleave(rep, 1), is_causal=True)
+        o = F.scaled_dot_product_attention(
+            q[:, :, s], k[:, :, s].repeat_interleave(rep, 1), v[:, :, s].repeat_interleave(rep, 1), is_causal=True
+        )
         out.append(o.transpose(1, 2))
         start += n
     return torch.cat(out, dim=1)
@@ -282,7 +340,9 @@ def test_varlen_attention_equals_per_sequence_attention():
     v = torch.randn(1, 2, T, 8, dtype=torch.float64, requires_grad=True)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     module = torch.nn.Module()
-    out, _ = varlen_sdpa_attention(module, q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9, max_length_k=9)
+    out, _ = varlen_sdpa_attention(
+        module, q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9, max_length_k=9
+    )
     assert [len(b) for b in _length_buckets(lengths)] == [2, 1, 1, 1]
     expected = per_sequence_attention(q, k, v, lengths)
     torch.testing.assert_close(out, expected)
@@ -307,10 +367,16 @@ def test_startup_warns_when_a_budget_is_below_the_longest_sequence():
     from grpo_train.config.schema import GRPOMasterConfig
     from grpo_train.setup import check_supported
 
-    cfg = GRPOMasterConfig(policy={"max_total_sequence_length": 512, "sequence_packing": {
-        "enabled": True, "train_mb_tokens": 256, "logprob_mb_tokens": 1024}})
-    assert check_supported(cfg) == ["policy.sequence_packing.train_mb_tokens=256 is below policy.max_total_sequence_length=512: "
-                                    "a longer sequence will stop training with an error"]
+    cfg = GRPOMasterConfig(
+        policy={
+            "max_total_sequence_length": 512,
+            "sequence_packing": {"enabled": True, "train_mb_tokens": 256, "logprob_mb_tokens": 1024},
+        }
+    )
+    assert check_supported(cfg) == [
+        "policy.sequence_packing.train_mb_tokens=256 is below policy.max_total_sequence_length=512: "
+        "a longer sequence will stop training with an error"
+    ]
     assert check_supported(GRPOMasterConfig(policy={"max_total_sequence_length": 512})) == []
 
 
@@ -329,14 +395,20 @@ def test_packed_logprobs_match_padded_on_cuda_bf16(model_dir, attn):
 
     if attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         pytest.skip("flash-attn is not installed")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation=attn).cuda().eval()
+    model = (
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation=attn).cuda().eval()
+    )
     batch = make_batch()
     ids, mask = batch["input_ids"].cuda(), batch["attention_mask"].cuda()
     with torch.no_grad():
         padded = sequence_logprobs(model, ids, mask, 0.7)
-        mb = microbatch.MicroBatch(tuple(range(B)), tuple(microbatch.row_lengths(mask)), int(mask.sum()) + 5, packed=True)
+        mb = microbatch.MicroBatch(
+            tuple(range(B)), tuple(microbatch.row_lengths(mask)), int(mask.sum()) + 5, packed=True
+        )
         packed = microbatch.pack_rows(ids, mb)
         flat = packed_logprobs(model, packed.input_ids, packed.position_ids, packed.cu_seqlens, packed.max_seqlen, 0.7)
         got = microbatch.unpack_rows(flat, packed)
-    torch.testing.assert_close(got.float(), padded[:, : got.shape[1]].float() * mask[:, : got.shape[1]], rtol=0, atol=3e-2)
+    torch.testing.assert_close(
+        got.float(), padded[:, : got.shape[1]].float() * mask[:, : got.shape[1]], rtol=0, atol=3e-2
+    )
     assert model.config._attn_implementation == (VARLEN_ATTENTION if attn == "sdpa" else attn)

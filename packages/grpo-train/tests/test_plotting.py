@@ -29,7 +29,9 @@ def write_rows(run_dir: Path, rows: list[dict]) -> None:
 def synthetic_rows(kl_key: str = "kl_penalty") -> list[dict]:
     rows = []
     for step in range(1, 21):
-        rows.append({"step": step, "split": "train", "reward_mean": step / 20, "accuracy": step / 25, kl_key: 1e-3 * step})
+        rows.append(
+            {"step": step, "split": "train", "reward_mean": step / 20, "accuracy": step / 25, kl_key: 1e-3 * step}
+        )
         if step % 5 == 0:
             rows.append({"step": step, "split": "val", "accuracy": step / 22})
     rows.append({"step": 21, "split": "train", "reward_mean": float("nan")})  # a NaN leaves a gap, no crash

@@ -22,10 +22,16 @@ ATOL = 1e-9
 
 
 def policy_cfg(num_workers: int) -> PolicyConfig:
-    return PolicyConfig(precision="float32", train_global_batch_size=8, train_micro_batch_size=2,
-                        logprob_batch_size=3, max_grad_norm=1.0, num_workers=num_workers,
-                        optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.5}},
-                        generation={"temperature": 0.7})
+    return PolicyConfig(
+        precision="float32",
+        train_global_batch_size=8,
+        train_micro_batch_size=2,
+        logprob_batch_size=3,
+        max_grad_norm=1.0,
+        num_workers=num_workers,
+        optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.5}},
+        generation={"temperature": 0.7},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +140,9 @@ def test_a_rank_without_rows_runs_a_dummy_microbatch(tiny_qwen2_dir, planner, ma
     assert microbatch.planner_name(cfg) == planner and lengths == [] and plan == []
     curr = worker._microbatch_logprobs(worker.model, *worker._dummy(empty, planner_, lengths))
     (curr.sum() * 0.0).backward()
-    assert curr.shape[0] == 1 and all(float(p.grad.abs().sum()) == 0 for p in worker.model.parameters() if p.grad is not None)
+    assert curr.shape[0] == 1 and all(
+        float(p.grad.abs().sum()) == 0 for p in worker.model.parameters() if p.grad is not None
+    )
     assert worker.logprobs(empty).shape == (0, empty["input_ids"].shape[1])
 
 
@@ -161,12 +169,19 @@ def test_activation_checkpointing_keeps_the_gradients(tiny_qwen2_dir, make_batch
 def test_rows_split_evenly_and_metrics_reduce_like_the_loss():
     assert split_rows(8, 2) == [slice(0, 4), slice(4, 8)]
     assert split_rows(5, 2) == [slice(0, 2), slice(2, 5)]
-    merged = combine_metrics([{"loss": 0.25, "ratio_min": 0.9, "ratio_max": 1.1, "grad_norm": 2.0},
-                              {"loss": 0.5, "ratio_min": 0.8, "ratio_max": 1.3, "grad_norm": 2.0}])
+    merged = combine_metrics(
+        [
+            {"loss": 0.25, "ratio_min": 0.9, "ratio_max": 1.1, "grad_norm": 2.0},
+            {"loss": 0.5, "ratio_min": 0.8, "ratio_max": 1.3, "grad_norm": 2.0},
+        ]
+    )
     assert merged == {"loss": 0.75, "ratio_min": 0.8, "ratio_max": 1.3, "grad_norm": 2.0}
     # A rank given no rows reports only the loss (0), grad norm and lr.
     assert combine_metrics([{"loss": 0.0, "grad_norm": 2.0}, {"loss": 0.5, "ratio_min": 0.9, "grad_norm": 2.0}]) == {
-        "loss": 0.5, "grad_norm": 2.0, "ratio_min": 0.9}
+        "loss": 0.5,
+        "grad_norm": 2.0,
+        "ratio_min": 0.9,
+    }
 
 
 def test_bundles_follow_the_cluster_shape():
@@ -189,7 +204,9 @@ def test_fsdp2_workers_match_one_gpu_worker(tiny_qwen2_dir, make_batch):
     cluster = ClusterConfig(gpus_per_node=2)
     out = []
     for n in (1, 2):
-        group = PolicyGroup(tiny_qwen2_dir, policy_cfg(n), LossConfig(reference_policy_kl_penalty=0.05), cluster, seed=0)
+        group = PolicyGroup(
+            tiny_qwen2_dir, policy_cfg(n), LossConfig(reference_policy_kl_penalty=0.05), cluster, seed=0
+        )
         b = dict(batch)
         b["prev_logprobs"] = group.logprobs(b)
         b["ref_logprobs"] = group.logprobs(b, reference=True)
@@ -214,16 +231,19 @@ def test_every_actor_gets_every_core_with_passive_openmp_waiting(monkeypatch, co
     assert env["OMP_WAIT_POLICY"] == "PASSIVE"
 
 
-@pytest.mark.parametrize(("cores", "cluster", "workers", "on_node", "threads"), [
-    (16, {}, 1, 1, 16),  # one rank: every core
-    (16, {}, 4, 4, 4),  # four CPU ranks on one node share its 16 cores
-    (16, {}, 3, 3, 5),  # cores that do not divide: rounded down (never more threads than cores)
-    (2, {}, 4, 4, 1),  # more ranks than cores: one thread each, never zero
-    (16, {"num_nodes": 2}, 4, 2, 8),  # CPU ranks spread over two nodes: two per node
-    (16, {"num_nodes": 2}, 3, 2, 8),  # 3 over 2 nodes: the fuller node has 2
-    (16, {"gpus_per_node": 8}, 4, 4, 4),  # GPU ranks pack a node first
-    (16, {"gpus_per_node": 2, "num_nodes": 2}, 4, 2, 8),  # 2 GPUs a node: 2 ranks share each node
-])
+@pytest.mark.parametrize(
+    ("cores", "cluster", "workers", "on_node", "threads"),
+    [
+        (16, {}, 1, 1, 16),  # one rank: every core
+        (16, {}, 4, 4, 4),  # four CPU ranks on one node share its 16 cores
+        (16, {}, 3, 3, 5),  # cores that do not divide: rounded down (never more threads than cores)
+        (2, {}, 4, 4, 1),  # more ranks than cores: one thread each, never zero
+        (16, {"num_nodes": 2}, 4, 2, 8),  # CPU ranks spread over two nodes: two per node
+        (16, {"num_nodes": 2}, 3, 2, 8),  # 3 over 2 nodes: the fuller node has 2
+        (16, {"gpus_per_node": 8}, 4, 4, 4),  # GPU ranks pack a node first
+        (16, {"gpus_per_node": 2, "num_nodes": 2}, 4, 2, 8),  # 2 GPUs a node: 2 ranks share each node
+    ],
+)
 def test_threads_divide_the_node_among_its_data_parallel_ranks(monkeypatch, cores, cluster, workers, on_node, threads):
     """threads_per_actor(ranks_per_node(...)): cpu_count // (ranks of the group on one node), so
     data-parallel ranks that compute at the same time do not oversubscribe the cores."""

@@ -19,18 +19,32 @@ def model_dir(tmp_path_factory):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=64,
-                         tie_word_embeddings=True)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
     path = tmp_path_factory.mktemp("tiny")
     Qwen2ForCausalLM(config).save_pretrained(path)
     return str(path)
 
 
 def policy_cfg(**kw) -> PolicyConfig:
-    base = dict(precision="float32", train_global_batch_size=8, train_micro_batch_size=8, logprob_batch_size=3,
-                max_grad_norm=None, optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 1.0}},
-                generation={"temperature": 0.7})
+    base = dict(
+        precision="float32",
+        train_global_batch_size=8,
+        train_micro_batch_size=8,
+        logprob_batch_size=3,
+        max_grad_norm=None,
+        optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 1.0}},
+        generation={"temperature": 0.7},
+    )
     base.update(kw)
     return PolicyConfig(**base)
 
@@ -47,8 +61,14 @@ def make_batch(seed: int = 0, B: int = 8) -> dict[str, torch.Tensor]:
     sample_mask = torch.ones(B)
     sample_mask[1] = 0
     gen = -torch.rand(B, S, generator=g) * token_mask
-    return {"input_ids": input_ids * attention_mask, "attention_mask": attention_mask, "token_mask": token_mask,
-            "gen_logprobs": gen, "advantages": adv[:, None] * token_mask, "sample_mask": sample_mask}
+    return {
+        "input_ids": input_ids * attention_mask,
+        "attention_mask": attention_mask,
+        "token_mask": token_mask,
+        "gen_logprobs": gen,
+        "advantages": adv[:, None] * token_mask,
+        "sample_mask": sample_mask,
+    }
 
 
 def train_once(model_dir, batch, **kw):
@@ -128,12 +148,16 @@ def test_non_finite_loss_stops_without_stepping(model_dir):
 
 def test_save_and_load_round_trip(model_dir, tmp_path):
     batch = make_batch()
-    a = PolicyWorker(model_dir, policy_cfg(optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2}}), LossConfig(), seed=0)
+    a = PolicyWorker(
+        model_dir, policy_cfg(optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2}}), LossConfig(), seed=0
+    )
     batch["prev_logprobs"] = a.logprobs(batch)
     batch["ref_logprobs"] = a.logprobs(batch, reference=True)
     a.train(batch)
     a.save(str(tmp_path / "ckpt"))
-    b = PolicyWorker(model_dir, policy_cfg(optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2}}), LossConfig(), seed=0)
+    b = PolicyWorker(
+        model_dir, policy_cfg(optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2}}), LossConfig(), seed=0
+    )
     b.load(str(tmp_path / "ckpt"))
     for (k, va), (_, vb) in zip(a.model.state_dict().items(), b.model.state_dict().items()):
         assert torch.equal(va, vb), k
@@ -146,8 +170,11 @@ def test_save_and_load_round_trip(model_dir, tmp_path):
 
 @pytest.mark.parametrize(
     "loss_keys",
-    [{}, {"loss_aggregation": "seq-mean-token-sum-norm", "loss_scale_factor": 16.0},
-     {"positive_example_nll_weight": 0.5}],
+    [
+        {},
+        {"loss_aggregation": "seq-mean-token-sum-norm", "loss_scale_factor": 16.0},
+        {"positive_example_nll_weight": 0.5},
+    ],
 )
 def test_loss_fn_keys_change_the_training_loss(model_dir, loss_keys):
     """The loss the worker trains on follows loss_fn: at the first step curr = prev (ratio 1,
@@ -169,13 +196,15 @@ def test_loss_fn_keys_change_the_training_loss(model_dir, loss_keys):
         "positive_example_nll_weight": actor_sum / g_tok + 0.5 * nll,
     }[next(iter(loss_keys), "")]
     assert metrics["loss"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
-    assert metrics["positive_nll"] == pytest.approx(nll if loss_keys.get("positive_example_nll_weight") else 0.0,
-                                                    rel=1e-5, abs=1e-6)
+    assert metrics["positive_nll"] == pytest.approx(
+        nll if loss_keys.get("positive_example_nll_weight") else 0.0, rel=1e-5, abs=1e-6
+    )
 
 
 # ------------------------------------------------- on-policy prev-logprob reuse (issue 23)
-PACKED_SAME = {"sequence_packing": {"enabled": True, "train_mb_tokens": 48, "logprob_mb_tokens": 48,
-                                    "sequence_length_round": 4}}
+PACKED_SAME = {
+    "sequence_packing": {"enabled": True, "train_mb_tokens": 48, "logprob_mb_tokens": 48, "sequence_length_round": 4}
+}
 
 
 def train_recording(model_dir, batch, monkeypatch, **kw):
@@ -193,6 +222,7 @@ def train_recording(model_dir, batch, monkeypatch, **kw):
         return loss_fn(curr, prev, *args)
 
     recording_loss.unrecorded = loss_fn
+
     def capture_then_step(*args, **kwargs):
         grads.update({k: v.grad.detach().clone() for k, v in worker.model.named_parameters()})
         return step(*args, **kwargs)
@@ -203,8 +233,11 @@ def train_recording(model_dir, batch, monkeypatch, **kw):
     return worker, seen, grads, metrics
 
 
-@pytest.mark.parametrize("kw", [{"logprob_batch_size": 8}, {"logprob_batch_size": 4, "train_micro_batch_size": 4},
-                                PACKED_SAME], ids=["padded-1mb", "padded-2mb", "packed"])
+@pytest.mark.parametrize(
+    "kw",
+    [{"logprob_batch_size": 8}, {"logprob_batch_size": 4, "train_micro_batch_size": 4}, PACKED_SAME],
+    ids=["padded-1mb", "padded-2mb", "packed"],
+)
 def test_reused_prev_logprobs_are_bitwise_the_separate_pass(model_dir, monkeypatch, kw):
     """One optimizer step over the whole batch, logprob and train micro-batches alike: prev taken
     from the training forward equals the separate pass bitwise, and so do the loss, every
@@ -215,8 +248,9 @@ def test_reused_prev_logprobs_are_bitwise_the_separate_pass(model_dir, monkeypat
     probe = PolicyWorker(model_dir, policy_cfg(**kw), LossConfig(reference_policy_kl_penalty=0.05), seed=0)
     assert probe.reuses_prev(batch, 8)
     separate_prev = probe.logprobs(batch)  # [B, S], what train_step.add_logprobs would have sent
-    w_sep, seen_sep, grads_sep, m_sep = train_recording(model_dir, {**batch, "prev_logprobs": separate_prev},
-                                                        monkeypatch, **kw)
+    w_sep, seen_sep, grads_sep, m_sep = train_recording(
+        model_dir, {**batch, "prev_logprobs": separate_prev}, monkeypatch, **kw
+    )
     w_re, seen_re, grads_re, m_re = train_recording(model_dir, batch, monkeypatch, **kw)  # no prev: reused
     assert len(seen_re) == len(seen_sep) >= 1
     for a, b in zip(seen_re, seen_sep):
@@ -233,12 +267,19 @@ def test_reused_prev_logprobs_are_bitwise_the_separate_pass(model_dir, monkeypat
     assert m_re == m_sep
 
 
-@pytest.mark.parametrize("kw, rows, why", [
-    ({"logprob_batch_size": 3}, 8, "logprob micro-batches of 3 rows, train of 8: other matmul shapes"),
-    ({"logprob_batch_size": 8, "train_global_batch_size": 4, "train_micro_batch_size": 4}, 8,
-     "two optimizer steps: the second step's prev is the start-of-step weights', not its own forward's"),
-    ({"logprob_batch_size": 8}, 6, "a batch other than train_global_batch_size"),
-], ids=["other-microbatches", "two-steps", "other-batch-size"])
+@pytest.mark.parametrize(
+    "kw, rows, why",
+    [
+        ({"logprob_batch_size": 3}, 8, "logprob micro-batches of 3 rows, train of 8: other matmul shapes"),
+        (
+            {"logprob_batch_size": 8, "train_global_batch_size": 4, "train_micro_batch_size": 4},
+            8,
+            "two optimizer steps: the second step's prev is the start-of-step weights', not its own forward's",
+        ),
+        ({"logprob_batch_size": 8}, 6, "a batch other than train_global_batch_size"),
+    ],
+    ids=["other-microbatches", "two-steps", "other-batch-size"],
+)
 def test_without_reuse_train_runs_the_separate_pass_itself(model_dir, monkeypatch, kw, rows, why):
     """Where reuse is not provably bitwise, a train call without prev computes it first (before
     any optimizer step), exactly as the driver's separate pass would."""
@@ -246,8 +287,9 @@ def test_without_reuse_train_runs_the_separate_pass_itself(model_dir, monkeypatc
     probe = PolicyWorker(model_dir, policy_cfg(**kw), LossConfig(reference_policy_kl_penalty=0.05), seed=0)
     assert not probe.reuses_prev(batch, probe.cfg.train_global_batch_size), why
     separate_prev = probe.logprobs(batch)
-    w_sep, seen_sep, grads_sep, m_sep = train_recording(model_dir, {**batch, "prev_logprobs": separate_prev},
-                                                        monkeypatch, **kw)
+    w_sep, seen_sep, grads_sep, m_sep = train_recording(
+        model_dir, {**batch, "prev_logprobs": separate_prev}, monkeypatch, **kw
+    )
     w_own, seen_own, grads_own, m_own = train_recording(model_dir, batch, monkeypatch, **kw)
     assert len(seen_own) == len(seen_sep)
     for a, b in zip(seen_own, seen_sep):
@@ -295,12 +337,16 @@ def train_seeing_ref(model_dir, batch, monkeypatch, **kw):
 BESIDE = {"reference_beside_training": True}
 
 
-@pytest.mark.parametrize("kw, beside", [
-    ({"logprob_batch_size": 4, "train_micro_batch_size": 4, **BESIDE}, True),
-    ({**PACKED_SAME, **BESIDE}, True),
-    ({"logprob_batch_size": 3, **BESIDE}, False),  # other micro-batches than training's: the reference pass first
-    ({"logprob_batch_size": 4, "train_micro_batch_size": 4}, False),  # the default: off
-], ids=["padded-2mb", "packed", "other-microbatches", "default-off"])
+@pytest.mark.parametrize(
+    "kw, beside",
+    [
+        ({"logprob_batch_size": 4, "train_micro_batch_size": 4, **BESIDE}, True),
+        ({**PACKED_SAME, **BESIDE}, True),
+        ({"logprob_batch_size": 3, **BESIDE}, False),  # other micro-batches than training's: the reference pass first
+        ({"logprob_batch_size": 4, "train_micro_batch_size": 4}, False),  # the default: off
+    ],
+    ids=["padded-2mb", "packed", "other-microbatches", "default-off"],
+)
 def test_reference_beside_training_is_bitwise_the_reference_pass_first(model_dir, monkeypatch, kw, beside):
     """A train call left without ref_logprobs computes them itself, in a second thread beside the
     training micro-batches where reference_ahead.usable allows (else first): every micro-batch's
@@ -310,8 +356,9 @@ def test_reference_beside_training_is_bitwise_the_reference_pass_first(model_dir
     batch = make_batch()
     probe = PolicyWorker(model_dir, policy_cfg(**kw), LossConfig(reference_policy_kl_penalty=0.05), seed=0)
     driver_ref = probe.logprobs(batch, reference=True)  # [B, S]: what train_step.add_logprobs used to send
-    w_sent, seen_sent, m_sent, n_sent = train_seeing_ref(model_dir, {**batch, "ref_logprobs": driver_ref},
-                                                         monkeypatch, **kw)
+    w_sent, seen_sent, m_sent, n_sent = train_seeing_ref(
+        model_dir, {**batch, "ref_logprobs": driver_ref}, monkeypatch, **kw
+    )
     w_own, seen_own, m_own, n_own = train_seeing_ref(model_dir, batch, monkeypatch, **kw)
     assert (n_sent, n_own) == (0, int(beside))
     assert len(seen_own) == len(seen_sent) >= (2 if beside else 1)
@@ -325,8 +372,12 @@ def test_reference_beside_training_is_bitwise_the_reference_pass_first(model_dir
 
 def test_reference_beside_training_hands_its_error_to_the_train_call(model_dir, monkeypatch):
     """A failing reference forward in the thread fails the train call (no silent zeros)."""
-    worker = PolicyWorker(model_dir, policy_cfg(logprob_batch_size=4, train_micro_batch_size=4, **BESIDE),
-                          LossConfig(reference_policy_kl_penalty=0.05), seed=0)
+    worker = PolicyWorker(
+        model_dir,
+        policy_cfg(logprob_batch_size=4, train_micro_batch_size=4, **BESIDE),
+        LossConfig(reference_policy_kl_penalty=0.05),
+        seed=0,
+    )
 
     own = worker._microbatch_logprobs
 

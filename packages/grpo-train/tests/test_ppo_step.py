@@ -15,16 +15,30 @@ torch.set_num_threads(1)
 
 def rollouts() -> list[Rollout]:
     def one(i, reward, n, truncated):
-        return Rollout(prompt_index=i // 2, prompt_ids=[5, 6], response_ids=list(range(7, 7 + n)), gen_logprobs=[-0.5] * n,
-                       text="", truncated=truncated, reward=reward)
+        return Rollout(
+            prompt_index=i // 2,
+            prompt_ids=[5, 6],
+            response_ids=list(range(7, 7 + n)),
+            gen_logprobs=[-0.5] * n,
+            text="",
+            truncated=truncated,
+            reward=reward,
+        )
 
     return [one(0, 1.0, 2, False), one(1, 0.0, 4, True), one(2, 1.0, 3, False), one(3, 1.0, 4, True)]
 
 
 def cfg(**ppo_and_more):
-    base = {"grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 2, "overlong_filtering": True,
-                     "reward_scaling": {"enabled": True, "source_min": 0, "source_max": 1, "target_min": -1, "target_max": 1}},
-            "policy": {"train_global_batch_size": 4, "train_micro_batch_size": 4}, "ppo": {}}
+    base = {
+        "grpo": {
+            "num_prompts_per_step": 2,
+            "num_generations_per_prompt": 2,
+            "overlong_filtering": True,
+            "reward_scaling": {"enabled": True, "source_min": 0, "source_max": 1, "target_min": -1, "target_max": 1},
+        },
+        "policy": {"train_global_batch_size": 4, "train_micro_batch_size": 4},
+        "ppo": {},
+    }
     return validate_config_dict(base | ppo_and_more)
 
 

@@ -34,15 +34,26 @@ def make_batch(seed: int = 0, B: int = 8) -> dict[str, torch.Tensor]:
     token_mask[:, :3] = 0
     sample_mask = torch.ones(B)
     sample_mask[1] = 0
-    return {"input_ids": torch.randint(3, VOCAB, (B, S), generator=g) * attention_mask,
-            "attention_mask": attention_mask, "token_mask": token_mask,
-            "gen_logprobs": -torch.rand(B, S, generator=g) * token_mask,
-            "advantages": torch.randn(B, generator=g)[:, None] * token_mask, "sample_mask": sample_mask}
+    return {
+        "input_ids": torch.randint(3, VOCAB, (B, S), generator=g) * attention_mask,
+        "attention_mask": attention_mask,
+        "token_mask": token_mask,
+        "gen_logprobs": -torch.rand(B, S, generator=g) * token_mask,
+        "advantages": torch.randn(B, generator=g)[:, None] * token_mask,
+        "sample_mask": sample_mask,
+    }
 
 
 def worker(tiny_qwen2_dir: str, precision: str) -> PolicyWorker:
-    cfg = PolicyConfig(precision=precision, train_global_batch_size=8, train_micro_batch_size=4, logprob_batch_size=4,
-                       max_grad_norm=None, optimizer=ADAMW, generation={"temperature": 0.7})
+    cfg = PolicyConfig(
+        precision=precision,
+        train_global_batch_size=8,
+        train_micro_batch_size=4,
+        logprob_batch_size=4,
+        max_grad_norm=None,
+        optimizer=ADAMW,
+        generation={"temperature": 0.7},
+    )
     return PolicyWorker(tiny_qwen2_dir, cfg, LOSS, seed=0)
 
 
@@ -70,8 +81,9 @@ def test_bf16_masters_move_as_fp32_where_bf16_adamw_does_not(tiny_qwen2_dir):
         if precision == "bfloat16":  # the compute copy (what refit pushes) is the masters' cast
             masters = w.master_weights()
             pushed = w.weights()
-            assert all(pushed[k].dtype == torch.bfloat16 and torch.equal(pushed[k], masters[k].bfloat16())
-                       for k in pushed)
+            assert all(
+                pushed[k].dtype == torch.bfloat16 and torch.equal(pushed[k], masters[k].bfloat16()) for k in pushed
+            )
     fp32, mixed = flat(moved["float32"]), flat(moved["bfloat16"])
     # AdamW's first step is ~lr * sign(grad) per weight: an fp32 run moves every weight by ~lr.
     assert float((fp32.abs() > 0.5 * LR).float().mean()) > 0.99
@@ -106,7 +118,10 @@ def test_mixed_checkpoint_keeps_masters_and_resumes_bitwise(tiny_qwen2_dir, tmp_
 
     resumed = worker(tiny_qwen2_dir, "bfloat16")
     resumed.load(str(tmp_path / "ckpt"))
-    for a, b in ((uninterrupted.master_weights(), resumed.master_weights()), (uninterrupted.weights(), resumed.weights())):
+    for a, b in (
+        (uninterrupted.master_weights(), resumed.master_weights()),
+        (uninterrupted.weights(), resumed.weights()),
+    ):
         assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
     state_a, state_b = uninterrupted.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
     assert state_a.keys() == state_b.keys()

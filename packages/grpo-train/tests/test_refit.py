@@ -117,17 +117,22 @@ def check_refit_takes_effect(call, base_model, version: int, seed: int) -> dict[
     after = call("generate", PROBE_PROMPTS, sampling)
     seqs2 = [r.prompt_ids + r.response_ids for r in after]
     plens2 = [len(r.prompt_ids) for r in after]
-    sample_diff = check_refit(
-        trainer_logprobs(trained, seqs2, plens2), [r.response_logprobs for r in after], ATOL
-    )
-    return {"engine_s": engine_seconds, "round_trip_s": round_trip, "before": stale_diff,
-            "score_after": score_diff, "samples_after": sample_diff}
+    sample_diff = check_refit(trainer_logprobs(trained, seqs2, plens2), [r.response_logprobs for r in after], ATOL)
+    return {
+        "engine_s": engine_seconds,
+        "round_trip_s": round_trip,
+        "before": stale_diff,
+        "score_after": score_diff,
+        "samples_after": sample_diff,
+    }
 
 
 def report(label: str, m: dict[str, float]) -> None:
-    print(f"\n[measure] {label}: refit {m['engine_s'] * 1e3:.0f} ms in the generator, "
-          f"{m['round_trip_s'] * 1e3:.0f} ms round trip; max |dlogprob| before {m['before']:.3f}, "
-          f"after: score {m['score_after']:.2e}, samples {m['samples_after']:.2e}")
+    print(
+        f"\n[measure] {label}: refit {m['engine_s'] * 1e3:.0f} ms in the generator, "
+        f"{m['round_trip_s'] * 1e3:.0f} ms round trip; max |dlogprob| before {m['before']:.3f}, "
+        f"after: score {m['score_after']:.2e}, samples {m['samples_after']:.2e}"
+    )
 
 
 def test_vllm_refit_takes_effect(vllm_gen, base_model):
@@ -184,10 +189,16 @@ def trained_lora_worker(model_dir, refit: str = "merged"):
     from grpo_train.config.schema import LossConfig, PolicyConfig
     from grpo_train.policy.worker import PolicyWorker
 
-    cfg = PolicyConfig(precision="float32", train_global_batch_size=4, train_micro_batch_size=4, logprob_batch_size=4,
-                       max_grad_norm=None, generation={"temperature": TEMPERATURE},
-                       optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": 5e-2, "weight_decay": 0.0}},
-                       dtensor_cfg={"lora_cfg": {"enabled": True, "dim": 4, "alpha": 8, "refit": refit}})
+    cfg = PolicyConfig(
+        precision="float32",
+        train_global_batch_size=4,
+        train_micro_batch_size=4,
+        logprob_batch_size=4,
+        max_grad_norm=None,
+        generation={"temperature": TEMPERATURE},
+        optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": 5e-2, "weight_decay": 0.0}},
+        dtensor_cfg={"lora_cfg": {"enabled": True, "dim": 4, "alpha": 8, "refit": refit}},
+    )
     worker = PolicyWorker(model_dir, cfg, LossConfig(reference_policy_kl_penalty=0.0), seed=0)
     gen = torch.Generator().manual_seed(7)
     for _ in range(2):
@@ -199,8 +210,14 @@ def train_lora_step(worker, gen: torch.Generator) -> None:
     ids = torch.randint(3, 64, (4, 24), generator=gen)
     mask = torch.ones_like(ids)
     token_mask = mask.float()
-    batch = {"input_ids": ids, "attention_mask": mask, "token_mask": token_mask, "sample_mask": torch.ones(4),
-             "gen_logprobs": torch.zeros(4, 24), "advantages": torch.randn(4, 1, generator=gen) * token_mask}
+    batch = {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "token_mask": token_mask,
+        "sample_mask": torch.ones(4),
+        "gen_logprobs": torch.zeros(4, 24),
+        "advantages": torch.randn(4, 1, generator=gen) * token_mask,
+    }
     worker.train(batch)
 
 
@@ -211,8 +228,9 @@ def lora_probe(worker) -> tuple[list[list[int]], list[int], list[list[float]]]:
     plens = [len(p) for p in PROBE_PROMPTS]
     expected = worker.score(seqs, plens)
     with torch.no_grad():
-        base = worker.logprobs({"input_ids": torch.tensor([seqs[0]]), "attention_mask": torch.ones(1, len(seqs[0]))},
-                               reference=True)[0, plens[0]:].tolist()
+        base = worker.logprobs(
+            {"input_ids": torch.tensor([seqs[0]]), "attention_mask": torch.ones(1, len(seqs[0]))}, reference=True
+        )[0, plens[0] :].tolist()
     assert diff([expected[0]], [base]) > 0.05
     return seqs, plens, expected
 
@@ -264,16 +282,29 @@ def test_refit_from_a_tensor_parallel_trainer_passes_the_gate(ray_session, vllm_
     from grpo_train.refit.collective import CollectiveTransport
     from grpo_train.refit.object_store import ObjectStoreTransport
 
-    cfg = PolicyConfig(precision="float32", train_global_batch_size=4, train_micro_batch_size=4, logprob_batch_size=4,
-                       max_grad_norm=None, num_workers=2, generation={"temperature": TEMPERATURE},
-                       optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.5}},
-                       dtensor_cfg=DTensorConfig(tensor_parallel_size=2))
+    cfg = PolicyConfig(
+        precision="float32",
+        train_global_batch_size=4,
+        train_micro_batch_size=4,
+        logprob_batch_size=4,
+        max_grad_norm=None,
+        num_workers=2,
+        generation={"temperature": TEMPERATURE},
+        optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.5}},
+        dtensor_cfg=DTensorConfig(tensor_parallel_size=2),
+    )
     group = PolicyGroup(model_dir, cfg, LossConfig(reference_policy_kl_penalty=0.0), ClusterConfig(), seed=0)
     try:
         ids = torch.randint(3, 64, (4, 24), generator=torch.Generator().manual_seed(5))
         mask = torch.ones_like(ids)
-        batch = {"input_ids": ids, "attention_mask": mask, "token_mask": mask.float(), "sample_mask": torch.ones(4),
-                 "gen_logprobs": torch.zeros(4, 24), "advantages": torch.tensor([[1.0], [-1.0], [0.5], [-0.5]]) * mask}
+        batch = {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "token_mask": mask.float(),
+            "sample_mask": torch.ones(4),
+            "gen_logprobs": torch.zeros(4, 24),
+            "advantages": torch.tensor([[1.0], [-1.0], [0.5], [-0.5]]) * mask,
+        }
         group.train({**batch, "prev_logprobs": group.logprobs(batch)})
         seqs = [p + [5, 6, 7, 8, 9, 10] for p in PROBE_PROMPTS]
         plens = [len(p) for p in PROBE_PROMPTS]
@@ -300,13 +331,19 @@ def test_generation_actors_through_ray(ray_session, model_dir, base_model):
         start = time.perf_counter()
         extra = {"kv_cache_space_gb": KV_GB} if backend == "vllm" else {}
         actor = make_generation_actor(
-            backend, model_dir, num_cpus=1, max_model_len=MAX_MODEL_LEN,
-            temperature_for_logprobs=TEMPERATURE, **extra,
+            backend,
+            model_dir,
+            num_cpus=1,
+            max_model_len=MAX_MODEL_LEN,
+            temperature_for_logprobs=TEMPERATURE,
+            **extra,
         )
         try:
             engine_seconds = ray.get(actor.ready.remote())
-            print(f"\n[measure] {backend} actor up in {time.perf_counter() - start:.1f} s "
-                  f"(generator start {engine_seconds:.1f} s)")
+            print(
+                f"\n[measure] {backend} actor up in {time.perf_counter() - start:.1f} s "
+                f"(generator start {engine_seconds:.1f} s)"
+            )
             measured = check_refit_takes_effect(through_ray(ray, actor), base_model, 1, seed=1)
             report(f"{backend} through Ray", measured)
             spec = SamplingSpec(temperature=1.0, max_new_tokens=8, n=2)
@@ -343,19 +380,30 @@ def test_lora_adapter_refit_passes_the_gate(model_dir):
 
     worker = trained_lora_worker(model_dir, refit="adapter")
     seqs, plens, expected = lora_probe(worker)
-    engine = VllmGenerator(model_dir, max_model_len=MAX_MODEL_LEN, temperature_for_logprobs=TEMPERATURE,
-                           kv_cache_space_gb=KV_GB, lora_adapter={"dim": 4, "alpha": 8})
+    engine = VllmGenerator(
+        model_dir,
+        max_model_len=MAX_MODEL_LEN,
+        temperature_for_logprobs=TEMPERATURE,
+        kv_cache_space_gb=KV_GB,
+        lora_adapter={"dim": 4, "alpha": 8},
+    )
     try:
         with torch.no_grad():
-            base = [worker.logprobs({"input_ids": torch.tensor([s]), "attention_mask": torch.ones(1, len(s))},
-                                    reference=True)[0, p:].tolist() for s, p in zip(seqs, plens)]
+            base = [
+                worker.logprobs(
+                    {"input_ids": torch.tensor([s]), "attention_mask": torch.ones(1, len(s))}, reference=True
+                )[0, p:].tolist()
+                for s, p in zip(seqs, plens)
+            ]
         assert engine.lora_request_id() is None
         gate_refit(base, engine.score(seqs, plens), DEFAULT_LIMITS["float32"])  # the base, before any push
 
         weights = worker.weights()
         trainable = {n: p for n, p in worker.model.named_parameters() if p.requires_grad}
         assert len(weights) == len(trainable) > 0
-        assert all(k.startswith("base_model.model.") and (".lora_A.weight" in k or ".lora_B.weight" in k) for k in weights)
+        assert all(
+            k.startswith("base_model.model.") and (".lora_A.weight" in k or ".lora_B.weight" in k) for k in weights
+        )
         for name, param in trainable.items():  # model.layers.0.self_attn.q_proj.lora_A.default.weight
             assert torch.equal(weights["base_model.model." + name.replace(".default.", ".")], param.detach())
         pushed = sum(t.numel() * t.element_size() for t in weights.values())
@@ -423,10 +471,18 @@ def test_state_dict_for_refit_names_and_tied_weights(base_model):
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    untied = Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-        num_attention_heads=1, num_key_value_heads=1, head_dim=64, tie_word_embeddings=False,
-    ))
+    untied = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=64,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=1,
+            num_key_value_heads=1,
+            head_dim=64,
+            tie_word_embeddings=False,
+        )
+    )
     assert "lm_head.weight" in state_dict_for_refit(untied)
 
 
@@ -441,10 +497,15 @@ def test_eval_checkpoint_of_a_lora_run_scores_like_the_trainer(model_dir, tmp_pa
 
     worker = trained_lora_worker(model_dir)
     seqs, plens, expected = lora_probe(worker)
-    saved = CheckpointManager(tmp_path / "checkpoints").save(2, lambda folder: worker.save(str(folder / "policy")),
-                                                              {"step": 2})
-    engine = VllmGenerator(checkpoint_model_path(str(saved)), max_model_len=MAX_MODEL_LEN,
-                           temperature_for_logprobs=TEMPERATURE, kv_cache_space_gb=KV_GB)
+    saved = CheckpointManager(tmp_path / "checkpoints").save(
+        2, lambda folder: worker.save(str(folder / "policy")), {"step": 2}
+    )
+    engine = VllmGenerator(
+        checkpoint_model_path(str(saved)),
+        max_model_len=MAX_MODEL_LEN,
+        temperature_for_logprobs=TEMPERATURE,
+        kv_cache_space_gb=KV_GB,
+    )
     try:
         stats = gate_refit(expected, engine.score(seqs, plens), DEFAULT_LIMITS["float32"])
     finally:

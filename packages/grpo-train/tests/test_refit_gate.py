@@ -33,6 +33,8 @@ def bad_cast(t: torch.Tensor) -> torch.Tensor:
     """A wrong dtype on the way: fp32 weights rounded to bf16; bf16 weights' bytes read as fp16
     (same size, so a byte-bucket transport would take them)."""
     return t.to(torch.bfloat16).float() if t.dtype == torch.float32 else t.view(torch.float16).to(t.dtype)
+
+
 # Optimizer steps at the demo's lr (3e-5) before the broken pushes: "stale" and "skipped" leave
 # the engine at the weights of before them. One step moves a weight by ~3e-5, below bf16's
 # resolution for most weights: in bf16 a refit one step stale is the same model (measured in
@@ -51,13 +53,19 @@ def test_statistics_are_the_hand_computed_ones():
     assert stats.gen_kl_error == pytest.approx(sum(math.exp(x) - 1 - x for x in d) / 3)
     assert stats.worst == (1, 0, -0.5, -0.2)
     assert stats.seq_logratio_rms == pytest.approx(math.sqrt((0.1**2 + 0.3**2) / 3))  # sequence sums 0.1, -0.3
-    with pytest.raises(RefitMismatchError, match=r"seq_logratio_rms .* 0\.183 > threshold 0\.15 "
-                       r"\(grpo\.refit_check\.max_seq_logratio_rms\); worst token: sequence 1, token 0"):
+    with pytest.raises(
+        RefitMismatchError,
+        match=r"seq_logratio_rms .* 0\.183 > threshold 0\.15 "
+        r"\(grpo\.refit_check\.max_seq_logratio_rms\); worst token: sequence 1, token 0",
+    ):
         gate_refit(trainer, generator, RefitLimits(None, None, seq_logratio_rms=0.15))
     # the same |d| with alternating signs inside one sequence cancels: rounding noise, not a broken refit
     assert refit_stats([[0.1, 0.1]], [[0.0, 0.2]]).seq_logratio_rms == 0.0
-    with pytest.raises(RefitMismatchError, match=r"mean_abs_diff .* 0\.133 > threshold 0\.1 "
-                       r"\(grpo\.refit_check\.max_mean_abs_logprob_diff\); worst token: sequence 1, token 0"):
+    with pytest.raises(
+        RefitMismatchError,
+        match=r"mean_abs_diff .* 0\.133 > threshold 0\.1 "
+        r"\(grpo\.refit_check\.max_mean_abs_logprob_diff\); worst token: sequence 1, token 0",
+    ):
         gate_refit(trainer, generator, RefitLimits(max_abs_diff=None, mean_abs_diff=0.1))
     assert gate_refit(trainer, generator, RefitLimits(None, 0.2)).mean_abs_diff == pytest.approx(0.4 / 3)
     with pytest.raises(RefitMismatchError):
@@ -69,13 +77,15 @@ def test_defaults_follow_the_coarser_precision_and_keys_override_them():
     assert gate_precision("bfloat16", "float32") == gate_precision("float32", "bfloat16") == "bfloat16"
 
     def cfg(policy: str, engine: str, **check) -> GRPOMasterConfig:
-        return GRPOMasterConfig(policy={"precision": policy, "generation": {"vllm_cfg": {"precision": engine}}},
-                                grpo={"refit_check": check})
+        return GRPOMasterConfig(
+            policy={"precision": policy, "generation": {"vllm_cfg": {"precision": engine}}}, grpo={"refit_check": check}
+        )
 
     assert refit_limits(cfg("float32", "float32")) == DEFAULT_LIMITS["float32"]
     assert refit_limits(cfg("bfloat16", "float32")) == DEFAULT_LIMITS["bfloat16"]
     assert refit_limits(cfg("bfloat16", "bfloat16", max_abs_logprob_diff=0.5)) == RefitLimits(
-        0.5, DEFAULT_LIMITS["bfloat16"].mean_abs_diff, DEFAULT_LIMITS["bfloat16"].seq_logratio_rms)
+        0.5, DEFAULT_LIMITS["bfloat16"].mean_abs_diff, DEFAULT_LIMITS["bfloat16"].seq_logratio_rms
+    )
     assert refit_limits(cfg("bfloat16", "bfloat16", max_seq_logratio_rms=0.2)).seq_logratio_rms == 0.2
     assert (probe_size(cfg("float32", "float32")), probe_size(cfg("bfloat16", "float32"))) == (4, 64)
     assert probe_size(cfg("bfloat16", "bfloat16", num_probe_sequences=8)) == 8
@@ -85,16 +95,20 @@ def test_defaults_follow_the_coarser_precision_and_keys_override_them():
 # ------------------------------------------------------------------ a real engine, healthy and broken
 def demo_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [tokenizer.encode(f"{rng.randrange(100)}+{rng.randrange(100)}=", add_special_tokens=False)
-            for _ in range(n)]
+    return [tokenizer.encode(f"{rng.randrange(100)}+{rng.randrange(100)}=", add_special_tokens=False) for _ in range(n)]
 
 
 def rollout_batch(rollouts) -> dict[str, torch.Tensor]:
     """A GRPO-shaped batch of the engine's samples (random advantages: any real step will do)."""
     seqs = [r.prompt_ids + r.response_ids for r in rollouts]
     B, S = len(seqs), max(len(s) for s in seqs)
-    batch = {"input_ids": torch.zeros(B, S, dtype=torch.long), "attention_mask": torch.zeros(B, S, dtype=torch.long),
-             "token_mask": torch.zeros(B, S), "gen_logprobs": torch.zeros(B, S), "sample_mask": torch.ones(B)}
+    batch = {
+        "input_ids": torch.zeros(B, S, dtype=torch.long),
+        "attention_mask": torch.zeros(B, S, dtype=torch.long),
+        "token_mask": torch.zeros(B, S),
+        "gen_logprobs": torch.zeros(B, S),
+        "sample_mask": torch.ones(B),
+    }
     for i, (r, s) in enumerate(zip(rollouts, seqs)):
         p = len(r.prompt_ids)
         batch["input_ids"][i, : len(s)] = torch.tensor(s)
@@ -116,10 +130,16 @@ def test_healthy_refit_passes_and_broken_ones_stop_the_run(precision):
 
     path = str(builtin_model_path("arith-tiny"))
     tok = AutoTokenizer.from_pretrained(path)
-    cfg = PolicyConfig(precision=precision, train_global_batch_size=32, train_micro_batch_size=32,
-                       logprob_batch_size=32, use_fused_kernels=False, max_grad_norm=1.0,
-                       optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": 3e-5, "weight_decay": 0.0}},
-                       generation={"temperature": 1.0})
+    cfg = PolicyConfig(
+        precision=precision,
+        train_global_batch_size=32,
+        train_micro_batch_size=32,
+        logprob_batch_size=32,
+        use_fused_kernels=False,
+        max_grad_norm=1.0,
+        optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": 3e-5, "weight_decay": 0.0}},
+        generation={"temperature": 1.0},
+    )
     worker = PolicyWorker(path, cfg, LossConfig(reference_policy_kl_penalty=0.0), seed=0)
     engine = VllmGenerator(path, dtype=precision, max_model_len=32, seed=0, kv_cache_space_gb=0.25)
     try:
@@ -132,8 +152,11 @@ def test_healthy_refit_passes_and_broken_ones_stop_the_run(precision):
             batch["prev_logprobs"] = worker.logprobs(batch)
             worker.train(batch)
         after = {k: v.clone() for k, v in worker.weights().items()}
-        probe = [r for r in engine.generate(demo_prompts(tok, 8, 1), SamplingSpec(temperature=1.0, max_new_tokens=8, n=4))
-                 if r.response_ids]
+        probe = [
+            r
+            for r in engine.generate(demo_prompts(tok, 8, 1), SamplingSpec(temperature=1.0, max_new_tokens=8, n=4))
+            if r.response_ids
+        ]
         seqs, plens = [r.prompt_ids + r.response_ids for r in probe], [len(r.prompt_ids) for r in probe]
         trainer = worker.score(seqs, plens)
         limits = DEFAULT_LIMITS[precision]
@@ -142,8 +165,11 @@ def test_healthy_refit_passes_and_broken_ones_stop_the_run(precision):
         healthy = gate_refit(trainer, engine.score(seqs, plens), limits)
         print(f"[measure] {precision} healthy: {healthy}")
         assert healthy.tokens > 20
-        broken = {"stale": before, "skipped": {**after, SKIPPED: before[SKIPPED]},
-                  "bad_cast": {k: bad_cast(v) for k, v in after.items()}}
+        broken = {
+            "stale": before,
+            "skipped": {**after, SKIPPED: before[SKIPPED]},
+            "bad_cast": {k: bad_cast(v) for k, v in after.items()},
+        }
         for version, (case, weights) in enumerate(broken.items(), start=3):
             engine.update_weights(weights, version)
             generated = engine.score(seqs, plens)

@@ -29,7 +29,7 @@ def test_each_transport_is_one_module_with_paired_ends(name):
 
 def test_readme_table_names_the_registered_transports():
     text = README.read_text()
-    table = text[text.index("## Refit transports"):text.index("## LoRA")]
+    table = text[text.index("## Refit transports") : text.index("## LoRA")]
     rows = re.findall(r"^\| `(\w+)` \| `refit/(\w+)\.py` \|", table, flags=re.M)
     assert sorted(rows) == sorted((name, name) for name in TRANSPORTS)
 

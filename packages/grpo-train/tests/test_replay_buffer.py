@@ -10,8 +10,12 @@ from grpo_train.replay_buffer import GroupEntry, ReplayBuffer, is_stale
 
 
 def entry(target: int, version: int, index: int) -> GroupEntry:
-    datum = DatumSpec(message_log=[{"role": "user", "content": f"{target}.{index}", "token_ids": torch.tensor([1, 2])}],
-                      length=2, extra_env_info={}, idx=100 * target + index)
+    datum = DatumSpec(
+        message_log=[{"role": "user", "content": f"{target}.{index}", "token_ids": torch.tensor([1, 2])}],
+        length=2,
+        extra_env_info={},
+        idx=100 * target + index,
+    )
     return GroupEntry(target_step=target, weight_version=version, prompt_index=index, datum=datum, rollouts=[index])
 
 

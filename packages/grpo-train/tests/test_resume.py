@@ -27,9 +27,15 @@ MARKER_ENV = "GRPO_TEST_PICKLE_MARKER"
 
 
 def policy_cfg(lr: float = 1e-2, scheduler: list | None = None) -> PolicyConfig:
-    return PolicyConfig(precision="float32", train_global_batch_size=4, train_micro_batch_size=4, logprob_batch_size=4,
-                        max_grad_norm=None, optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": lr}},
-                        scheduler=scheduler or [])
+    return PolicyConfig(
+        precision="float32",
+        train_global_batch_size=4,
+        train_micro_batch_size=4,
+        logprob_batch_size=4,
+        max_grad_norm=None,
+        optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": lr}},
+        scheduler=scheduler or [],
+    )
 
 
 def make_batch(seed: int = 0, B: int = 4, S: int = 9, vocab: int = 64) -> dict[str, torch.Tensor]:
@@ -38,9 +44,14 @@ def make_batch(seed: int = 0, B: int = 4, S: int = 9, vocab: int = 64) -> dict[s
     attention_mask = torch.ones(B, S, dtype=torch.long)
     token_mask = attention_mask.float().clone()
     token_mask[:, :3] = 0
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "token_mask": token_mask,
-            "gen_logprobs": -torch.rand(B, S, generator=g) * token_mask,
-            "advantages": torch.randn(B, 1, generator=g) * token_mask, "sample_mask": torch.ones(B)}
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "token_mask": token_mask,
+        "gen_logprobs": -torch.rand(B, S, generator=g) * token_mask,
+        "advantages": torch.randn(B, 1, generator=g) * token_mask,
+        "sample_mask": torch.ones(B),
+    }
 
 
 def trained_worker(model_dir: str, cfg: PolicyConfig, steps: int = 1) -> PolicyWorker:
@@ -86,8 +97,10 @@ def tensor_data_offset(path: Path) -> int:
 
 
 # --------------------------------------------------------------------------- bit rot
-@pytest.mark.parametrize("victim", ["policy/model/model.safetensors", "policy/optimizer.safetensors",
-                                    "trainer_state.json", "dataloader.json"])
+@pytest.mark.parametrize(
+    "victim",
+    ["policy/model/model.safetensors", "policy/optimizer.safetensors", "trainer_state.json", "dataloader.json"],
+)
 def test_a_flipped_bit_falls_back_to_the_newest_intact_checkpoint(two_checkpoints, victim):
     manager = two_checkpoints
     path = manager.step_dir(4) / victim
@@ -116,7 +129,9 @@ def test_none_intact_raises_one_line_and_renames_nothing(two_checkpoints):
     message = str(info.value)
     assert "\n" not in message and "no intact checkpoint" in message
     assert "rng.safetensors is missing" in message and "policy/scheduler.json: size" in message
-    assert manager.all_steps() == [2, 4] and not said  # nothing renamed: a rerun meets the same stop, never a fresh start
+    assert (
+        manager.all_steps() == [2, 4] and not said
+    )  # nothing renamed: a rerun meets the same stop, never a fresh start
 
 
 def no_ray(*args, **kwargs):
@@ -129,7 +144,10 @@ def test_none_intact_stops_the_run_with_one_line_before_ray(tmp_path, worker, ti
     cfg = GRPOMasterConfig(policy={"model_name": tiny_qwen2_dir, "precision": "float32", "train_global_batch_size": 32})
     manager = CheckpointManager(run_dir / "checkpoints", run_config=cfg.model_dump(mode="json"))
     folder = save_run_checkpoint(manager, worker, 3)
-    flip_byte(folder / "policy" / "model" / "model.safetensors", tensor_data_offset(folder / "policy" / "model" / "model.safetensors"))
+    flip_byte(
+        folder / "policy" / "model" / "model.safetensors",
+        tensor_data_offset(folder / "policy" / "model" / "model.safetensors"),
+    )
     capsys.readouterr()
     assert train(cfg, {}, "t", run_dir=str(run_dir)) == EXIT_STARTUP
     err = capsys.readouterr().err.strip().splitlines()
@@ -140,8 +158,10 @@ def test_a_finished_run_says_so_before_ray(tmp_path, worker, tiny_qwen2_dir, cap
     # Rerunning a finished run once started Ray, vLLM and every worker to print this line.
     monkeypatch.setattr("grpo_train.setup.init_ray", no_ray)
     run_dir = tmp_path / "run"
-    cfg = GRPOMasterConfig(policy={"model_name": tiny_qwen2_dir, "precision": "float32", "train_global_batch_size": 32},
-                           grpo={"max_num_steps": 3})
+    cfg = GRPOMasterConfig(
+        policy={"model_name": tiny_qwen2_dir, "precision": "float32", "train_global_batch_size": 32},
+        grpo={"max_num_steps": 3},
+    )
     save_run_checkpoint(CheckpointManager(run_dir / "checkpoints", run_config=cfg.model_dump(mode="json")), worker, 3)
     capsys.readouterr()
     assert train(cfg, {}, "t", run_dir=str(run_dir)) == EXIT_OK
@@ -203,12 +223,16 @@ def test_a_changed_lr_is_applied_to_the_restored_optimizer_and_schedule(tmp_path
     old = trained_worker(tiny_qwen2_dir, policy_cfg(lr=3e-5, scheduler=warmup), steps=1)
     assert old.optimizer.param_groups[0]["lr"] == pytest.approx(3e-5 * 0.625)
     old.save(str(tmp_path / "policy"))
-    new = PolicyWorker(tiny_qwen2_dir, policy_cfg(lr=1e-4, scheduler=warmup), LossConfig(reference_policy_kl_penalty=0.0), seed=0)
+    new = PolicyWorker(
+        tiny_qwen2_dir, policy_cfg(lr=1e-4, scheduler=warmup), LossConfig(reference_policy_kl_penalty=0.0), seed=0
+    )
     new.load(str(tmp_path / "policy"))
     group = new.optimizer.param_groups[0]
     assert group["lr"] == pytest.approx(1e-4 * 0.625, rel=1e-12) and group["initial_lr"] == 1e-4
-    assert torch.equal(new.optimizer.state[group["params"][0]]["exp_avg"],
-                       old.optimizer.state[old.optimizer.param_groups[0]["params"][0]]["exp_avg"])  # moments kept
+    assert torch.equal(
+        new.optimizer.state[group["params"][0]]["exp_avg"],
+        old.optimizer.state[old.optimizer.param_groups[0]["params"][0]]["exp_avg"],
+    )  # moments kept
     batch = make_batch(1)
     batch["prev_logprobs"] = new.logprobs(batch)
     metrics = new.train(batch)
@@ -224,7 +248,9 @@ def test_constant_lr_change_is_exact(tmp_path, tiny_qwen2_dir):
 
 
 def resolved(tiny_qwen2_dir: str, **grpo) -> dict:
-    return GRPOMasterConfig(grpo=grpo, policy={"model_name": tiny_qwen2_dir, "precision": "float32", "train_global_batch_size": 32}).model_dump(mode="json")
+    return GRPOMasterConfig(
+        grpo=grpo, policy={"model_name": tiny_qwen2_dir, "precision": "float32", "train_global_batch_size": 32}
+    ).model_dump(mode="json")
 
 
 def test_resume_applies_allowed_changes_and_refuses_the_rest_by_key(tmp_path, worker, tiny_qwen2_dir, capsys):
@@ -251,11 +277,15 @@ def test_resume_applies_allowed_changes_and_refuses_the_rest_by_key(tmp_path, wo
     assert "policy.optimizer.kwargs.lr (" not in message  # allowed keys are not named as refused
 
 
-def test_a_refused_change_stops_train_with_one_line_and_keeps_the_saved_config(tmp_path, worker, tiny_qwen2_dir, capsys,
-                                                                              monkeypatch):
+def test_a_refused_change_stops_train_with_one_line_and_keeps_the_saved_config(
+    tmp_path, worker, tiny_qwen2_dir, capsys, monkeypatch
+):
     monkeypatch.setattr("grpo_train.setup.init_ray", no_ray)
     run_dir = tmp_path / "run"
-    cfg = GRPOMasterConfig(grpo={"num_generations_per_prompt": 4}, policy={"model_name": tiny_qwen2_dir, "precision": "float32", "train_global_batch_size": 32})
+    cfg = GRPOMasterConfig(
+        grpo={"num_generations_per_prompt": 4},
+        policy={"model_name": tiny_qwen2_dir, "precision": "float32", "train_global_batch_size": 32},
+    )
     manager = CheckpointManager(run_dir / "checkpoints", run_config=cfg.model_dump(mode="json"))
     save_run_checkpoint(manager, worker, 2)
     (run_dir / "config.yaml").write_text("grpo: {num_generations_per_prompt: 4}\n")

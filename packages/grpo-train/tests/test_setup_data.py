@@ -26,8 +26,11 @@ def _rows(tmp_path, rows):
 def test_prompts_routed_to_an_unconfigured_environment_stop_the_start_up(tmp_path):
     # no env_name on the dataset: the built-in processors route to "math", which is not configured
     path = _rows(tmp_path, [{"input": "1+1=", "output": "2"}])
-    with pytest.raises(StartupError, match=r"routes prompts to environment\(s\) \['math'\], which the env section "
-                                           r"does not configure \(configured: \['arithmetic'\]\)"):
+    with pytest.raises(
+        StartupError,
+        match=r"routes prompts to environment\(s\) \['math'\], which the env section "
+        r"does not configure \(configured: \['arithmetic'\]\)",
+    ):
         build_datasets(_config(path, envs=("arithmetic",)), make_char_tokenizer())
     train, _ = build_datasets(_config(path), make_char_tokenizer())
     assert train[0].env_names() == {"math"}

@@ -20,8 +20,10 @@ import pytest
 
 from grpo_train.setup import node_start_lock, start_local_head
 
-RAY_FAILURE = ("The current node timed out during startup. This could happen because some of the raylet "
-               "failed to startup or the GCS has become overloaded.")
+RAY_FAILURE = (
+    "The current node timed out during startup. This could happen because some of the raylet "
+    "failed to startup or the GCS has become overloaded."
+)
 
 HOLDER = """
 import sys, time

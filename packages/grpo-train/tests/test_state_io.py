@@ -14,9 +14,17 @@ from grpo_train.state_io import StateFileError, load_state, save_state, verify_m
 
 
 def test_nested_values_come_back_with_their_types(tmp_path):
-    value = {"tuple": (1, 2.5, None, True), 7: torch.arange(3), "nan": float("nan"), "neg0": -0.0,
-             "nested": {0: {"step": torch.tensor(3.0)}}, "__tensor__": "a key that looks like a tag",
-             "bf16": torch.ones(2, dtype=torch.bfloat16), "empty": [], "big": 2**70}
+    value = {
+        "tuple": (1, 2.5, None, True),
+        7: torch.arange(3),
+        "nan": float("nan"),
+        "neg0": -0.0,
+        "nested": {0: {"step": torch.tensor(3.0)}},
+        "__tensor__": "a key that looks like a tag",
+        "bf16": torch.ones(2, dtype=torch.bfloat16),
+        "empty": [],
+        "big": 2**70,
+    }
     save_state(value, tmp_path, "s")
     back = load_state(tmp_path, "s")
     assert back.keys() == value.keys() and back["tuple"] == (1, 2.5, None, True) and isinstance(back["tuple"], tuple)
@@ -40,15 +48,27 @@ def test_an_optimizer_state_round_trips_bitwise(tmp_path):
 
 
 def test_dataclasses_only_come_back_when_allow_listed(tmp_path):
-    datum = DatumSpec(message_log=[{"role": "user", "content": "1+1", "token_ids": torch.tensor([4, 5, 6])}],
-                      length=3, extra_env_info={"ground_truth": "2"})
-    rollout = Rollout(prompt_index=0, prompt_ids=[4, 5, 6], response_ids=[7], gen_logprobs=[-0.5], text="2",
-                      truncated=False, reward=1.0)
+    datum = DatumSpec(
+        message_log=[{"role": "user", "content": "1+1", "token_ids": torch.tensor([4, 5, 6])}],
+        length=3,
+        extra_env_info={"ground_truth": "2"},
+    )
+    rollout = Rollout(
+        prompt_index=0,
+        prompt_ids=[4, 5, 6],
+        response_ids=[7],
+        gen_logprobs=[-0.5],
+        text="2",
+        truncated=False,
+        reward=1.0,
+    )
     entry = GroupEntry(target_step=3, weight_version=2, prompt_index=0, datum=datum, rollouts=[rollout])
     save_state({"entries": [entry]}, tmp_path, "buffer")
     back = load_state(tmp_path, "buffer", types=(GroupEntry, Rollout, DatumSpec))["entries"][0]
     assert back.rollouts == [rollout] and back.target_step == 3
-    assert torch.equal(back.datum.token_ids, torch.tensor([4, 5, 6])) and back.datum.extra_env_info == {"ground_truth": "2"}
+    assert torch.equal(back.datum.token_ids, torch.tensor([4, 5, 6])) and back.datum.extra_env_info == {
+        "ground_truth": "2"
+    }
     with pytest.raises(StateFileError, match="GroupEntry' is not a type this state file may hold"):
         load_state(tmp_path, "buffer", types=(Rollout, DatumSpec))
 

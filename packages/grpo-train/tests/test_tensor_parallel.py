@@ -36,8 +36,17 @@ def tiny_model(kind: str):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    common = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, max_position_embeddings=128, pad_token_id=0)
+    common = dict(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        pad_token_id=0,
+    )
     if kind == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, **common))
     else:
@@ -63,8 +72,18 @@ def pg_loss(lp, token_mask, advantages):
 
     prev = (lp.detach() + 0.05 * torch.cos(torch.arange(lp.numel()).view_as(lp).float())) * token_mask
     cfg = PGLossConfig(reference_policy_kl_penalty=0.1, ratio_clip_min=0.2, ratio_clip_max=0.2)
-    loss, _ = clipped_pg_loss(lp, prev, prev, prev - 0.1 * token_mask, advantages[:, None] * token_mask, token_mask,
-                              torch.ones(lp.shape[0]), cfg, float(token_mask.sum()), float(lp.shape[0]))
+    loss, _ = clipped_pg_loss(
+        lp,
+        prev,
+        prev,
+        prev - 0.1 * token_mask,
+        advantages[:, None] * token_mask,
+        token_mask,
+        torch.ones(lp.shape[0]),
+        cfg,
+        float(token_mask.sum()),
+        float(lp.shape[0]),
+    )
     return loss
 
 
@@ -158,8 +177,9 @@ def run_rank(rank: int, port: int) -> None:
 
     from grpo_train.policy.tensor_parallel import apply_tensor_parallel
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120)
+    )
     try:
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
         for kind, sp in (("qwen2", False), ("qwen2", True), ("llama", True)):
@@ -217,8 +237,10 @@ def test_tp_size_must_divide_heads_kv_heads_and_vocabulary():
 
     config = tiny_model("qwen2").config  # 4 heads, 2 KV heads, vocabulary 64
     assert tp_size_problem(config, 2) is None
-    assert tp_size_problem(config, 4) == ("4 does not divide the model's num_key_value_heads=2 (each tensor-parallel "
-                                          "rank holds whole heads and an equal vocabulary slice)")
+    assert tp_size_problem(config, 4) == (
+        "4 does not divide the model's num_key_value_heads=2 (each tensor-parallel "
+        "rank holds whole heads and an equal vocabulary slice)"
+    )
     assert "num_attention_heads=4, num_key_value_heads=2" in tp_size_problem(config, 3)
 
 

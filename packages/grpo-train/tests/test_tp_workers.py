@@ -29,12 +29,18 @@ BUCKET_BYTES = 64 * 1024  # several buckets per push of the tiny model
 
 
 def policy_cfg(num_workers: int, tp: int, sp: bool = False, packing: bool = False) -> PolicyConfig:
-    return PolicyConfig(precision="float32", train_global_batch_size=6, train_micro_batch_size=3,
-                        logprob_batch_size=3, max_grad_norm=1.0, num_workers=num_workers,
-                        sequence_packing={"enabled": packing},
-                        optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.5, "momentum": 0.9}},
-                        dtensor_cfg=DTensorConfig(tensor_parallel_size=tp, sequence_parallel=sp),
-                        generation={"temperature": 0.7})
+    return PolicyConfig(
+        precision="float32",
+        train_global_batch_size=6,
+        train_micro_batch_size=3,
+        logprob_batch_size=3,
+        max_grad_norm=1.0,
+        num_workers=num_workers,
+        sequence_packing={"enabled": packing},
+        optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.5, "momentum": 0.9}},
+        dtensor_cfg=DTensorConfig(tensor_parallel_size=tp, sequence_parallel=sp),
+        generation={"temperature": 0.7},
+    )
 
 
 def collective_refit(group) -> dict[str, torch.Tensor]:
@@ -62,6 +68,7 @@ def check_resume(single, group, saved: str, batch: dict) -> None:
     """Resume from the TP group's checkpoint (full weights, SGD momentum, scheduler, RNG, written by rank 0
     in the unsharded format): into the same TP group, the next step repeats bitwise (logprobs, metrics,
     updated weights); into one unsharded worker (another layout), it agrees within 1e-5 relative."""
+
     def step(group_or_worker, lp):
         return group_or_worker({**batch, "prev_logprobs": lp[0], "ref_logprobs": lp[1]})
 
@@ -128,8 +135,9 @@ def test_tp2_gpu_ranks_match_one_gpu_worker(policy_batch, ray_session, tiny_qwen
     batch = policy_batch(6, seed=0)
     results = []
     for workers in (1, 2):
-        group = PolicyGroup(tiny_qwen2_dir, policy_cfg(workers, workers, sp and workers == 2, packing), LOSS, cluster,
-                            seed=0)
+        group = PolicyGroup(
+            tiny_qwen2_dir, policy_cfg(workers, workers, sp and workers == 2, packing), LOSS, cluster, seed=0
+        )
         try:
             lp = group.logprobs_and_reference(batch)
             metrics = group.train({**batch, "prev_logprobs": lp[0], "ref_logprobs": lp[1]})
@@ -154,22 +162,37 @@ def test_bad_tensor_parallel_input_is_refused_at_its_key_before_training(tiny_qw
     from grpo_train.setup import StartupError, check_model_options
 
     def dtensor(num_workers: int = 2, **cfg) -> dict:
-        return {"policy": {"num_workers": num_workers, "train_global_batch_size": 4, "precision": "float32",
-                           "dtensor_cfg": cfg}}
+        return {
+            "policy": {
+                "num_workers": num_workers,
+                "train_global_batch_size": 4,
+                "precision": "float32",
+                "dtensor_cfg": cfg,
+            }
+        }
 
     check_model_options(GRPOMasterConfig(**dtensor(tensor_parallel_size=2)), tiny_qwen2_dir)  # 2 heads, vocab 64
     engine = {"policy": {"generation": {"vllm_cfg": {"tensor_parallel_size": 2}}}}
     check_model_options(GRPOMasterConfig(**engine), tiny_qwen2_dir)
     engine["policy"]["generation"]["vllm_cfg"]["tensor_parallel_size"] = 4
-    with pytest.raises(StartupError, match=r"^policy.generation.vllm_cfg.tensor_parallel_size: 4 does not fit the "
-                                           r"model's num_attention_heads=2, num_key_value_heads=2"):
+    with pytest.raises(
+        StartupError,
+        match=r"^policy.generation.vllm_cfg.tensor_parallel_size: 4 does not fit the "
+        r"model's num_attention_heads=2, num_key_value_heads=2",
+    ):
         check_model_options(GRPOMasterConfig(**engine), tiny_qwen2_dir)
-    with pytest.raises(StartupError, match=r"^policy.dtensor_cfg.tensor_parallel_size: 4 does not divide the "
-                                           r"model's num_attention_heads=2, num_key_value_heads=2"):
+    with pytest.raises(
+        StartupError,
+        match=r"^policy.dtensor_cfg.tensor_parallel_size: 4 does not divide the "
+        r"model's num_attention_heads=2, num_key_value_heads=2",
+    ):
         check_model_options(GRPOMasterConfig(**dtensor(4, tensor_parallel_size=4)), tiny_qwen2_dir)
-    for precision, cluster, enabled, refused in [("bfloat16", {}, None, True), ("bfloat16", {"gpus_per_node": 4}, False, True),
-                                                  ("bfloat16", {"gpus_per_node": 4}, None, False),
-                                                  ("bfloat16", {}, True, True)]:  # dp 1 on CPU: no FSDP2
+    for precision, cluster, enabled, refused in [
+        ("bfloat16", {}, None, True),
+        ("bfloat16", {"gpus_per_node": 4}, False, True),
+        ("bfloat16", {"gpus_per_node": 4}, None, False),
+        ("bfloat16", {}, True, True),
+    ]:  # dp 1 on CPU: no FSDP2
         config = dtensor(tensor_parallel_size=2, enabled=enabled)
         config["policy"]["precision"], config["cluster"] = precision, cluster
         if refused:
@@ -178,7 +201,10 @@ def test_bad_tensor_parallel_input_is_refused_at_its_key_before_training(tiny_qw
         else:
             check_model_options(GRPOMasterConfig(**config), tiny_qwen2_dir)
     cases = [
-        (dtensor(3, tensor_parallel_size=2), "policy.dtensor_cfg.tensor_parallel_size (2) must divide policy.num_workers (3)"),
+        (
+            dtensor(3, tensor_parallel_size=2),
+            "policy.dtensor_cfg.tensor_parallel_size (2) must divide policy.num_workers (3)",
+        ),
         (dtensor(sequence_parallel=True), "policy.dtensor_cfg.sequence_parallel"),
         (dtensor(custom_parallel_plan="my.plan:x"), "policy.dtensor_cfg.custom_parallel_plan"),
         (dtensor(tensor_parallel_size=2, custom_parallel_plan="my.plan"), "expected 'module:object'"),

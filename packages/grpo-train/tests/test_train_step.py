@@ -22,8 +22,16 @@ torch.set_num_threads(1)
 
 def rollout(p: int, reward: float, n: int, truncated: bool = False, components: dict | None = None) -> Rollout:
     meta = {"reward_components": components} if components is not None else {}
-    return Rollout(prompt_index=p, prompt_ids=[5, 6], response_ids=list(range(7, 7 + n)), gen_logprobs=[-0.5] * n,
-                   text="", truncated=truncated, reward=reward, env_metadata=meta)
+    return Rollout(
+        prompt_index=p,
+        prompt_ids=[5, 6],
+        response_ids=list(range(7, 7 + n)),
+        gen_logprobs=[-0.5] * n,
+        text="",
+        truncated=truncated,
+        reward=reward,
+        env_metadata=meta,
+    )
 
 
 def cfg(group: int = 4, prompts: int = 1, **sections):
@@ -52,8 +60,10 @@ def test_overlong_filtering_keeps_truncated_samples_in_the_baseline():
 
 
 def test_seq_logprob_error_threshold_masks_sequences_by_their_mean_exp_error():
-    c = cfg(group=3, grpo={"seq_logprob_error_threshold": 2.5, "normalize_rewards": False,
-                           "use_leave_one_out_baseline": False})
+    c = cfg(
+        group=3,
+        grpo={"seq_logprob_error_threshold": 2.5, "normalize_rewards": False, "use_leave_one_out_baseline": False},
+    )
     rollouts = [rollout(0, 1.0, 2), rollout(0, 0.0, 2), rollout(0, 0.0, 1)]
     batch, _ = prepare_batch(c.grpo, c.policy, rollouts, pad_id=0)
     prev = batch["gen_logprobs"].clone()
@@ -76,8 +86,11 @@ def test_seq_logprob_error_threshold_below_one_is_refused():
 
 
 def test_kl_in_reward_for_grpo_goes_into_the_advantage_and_out_of_the_loss():
-    c = cfg(group=2, grpo={"adv_estimator": {"name": "grpo", "normalize_rewards": False, "use_leave_one_out_baseline": False}},
-            loss_fn={"use_kl_in_reward": True, "reference_policy_kl_penalty": 0.1, "reference_policy_kl_type": "k2"})
+    c = cfg(
+        group=2,
+        grpo={"adv_estimator": {"name": "grpo", "normalize_rewards": False, "use_leave_one_out_baseline": False}},
+        loss_fn={"use_kl_in_reward": True, "reference_policy_kl_penalty": 0.1, "reference_policy_kl_type": "k2"},
+    )
     rollouts = [rollout(0, 1.0, 2), rollout(0, 0.0, 2)]
     batch, _ = prepare_batch(c.grpo, c.policy, rollouts, pad_id=0)
     ref = batch["gen_logprobs"] - 1.0 * batch["token_mask"]  # ref - prev = -1: k2 = 0.5, beta * k2 = 0.05
@@ -92,9 +105,17 @@ def test_kl_in_reward_for_grpo_goes_into_the_advantage_and_out_of_the_loss():
 
 
 def test_gdpo_reads_the_environments_reward_components():
-    c = cfg(group=2, prompts=2, grpo={"adv_estimator": {"name": "gdpo", "normalize_rewards": False,
-                                                        "use_leave_one_out_baseline": False}})
-    comps = [{"format": 1, "correct": 0}, {"format": 0, "correct": 1}, {"format": 1, "correct": 1}, {"format": 1, "correct": 0}]
+    c = cfg(
+        group=2,
+        prompts=2,
+        grpo={"adv_estimator": {"name": "gdpo", "normalize_rewards": False, "use_leave_one_out_baseline": False}},
+    )
+    comps = [
+        {"format": 1, "correct": 0},
+        {"format": 0, "correct": 1},
+        {"format": 1, "correct": 1},
+        {"format": 1, "correct": 0},
+    ]
     rollouts = [rollout(i // 2, 0.0, 1, components=cm) for i, cm in enumerate(comps)]
     batch, _ = prepare_batch(c.grpo, c.policy, rollouts, pad_id=0)
     add_advantages(c.grpo, c.loss_fn, rollouts, with_logprobs(batch))
@@ -103,7 +124,9 @@ def test_gdpo_reads_the_environments_reward_components():
     torch.testing.assert_close(batch["advantages"][:, 2], torch.tensor([0.0, 0.0, 0.5 * s, -0.5 * s]))
     rollouts[3].env_metadata = {"reward_components": {"format": 1}}
     with pytest.raises(ValueError, match="sample 3: reward_components"):
-        add_advantages(c.grpo, c.loss_fn, rollouts, with_logprobs(prepare_batch(c.grpo, c.policy, rollouts, pad_id=0)[0]))
+        add_advantages(
+            c.grpo, c.loss_fn, rollouts, with_logprobs(prepare_batch(c.grpo, c.policy, rollouts, pad_id=0)[0])
+        )
 
 
 def test_kl_in_reward_refuses_the_loss_only_kl_options():
@@ -180,8 +203,13 @@ def test_prev_reuse_only_where_nothing_needs_its_own_pass():
     base = cfg()
     assert train_step.reuses_prev_logprobs(base)
     refused = {
-        "async": base.model_copy(update={"grpo": base.grpo.model_copy(
-            update={"async_grpo": base.grpo.async_grpo.model_copy(update={"enabled": True})})}),
+        "async": base.model_copy(
+            update={
+                "grpo": base.grpo.model_copy(
+                    update={"async_grpo": base.grpo.async_grpo.model_copy(update={"enabled": True})}
+                )
+            }
+        ),
         "ppo": cfg(ppo={}),
         "kl in reward": cfg(loss_fn={"use_kl_in_reward": True, "reference_policy_kl_penalty": 0.01}),
         "logprob-error mask": cfg(grpo={"seq_logprob_error_threshold": 2.0}),
@@ -204,18 +232,39 @@ def test_invalid_tool_call_advantage_replaces_the_advantage_of_the_bad_turns_tok
     """NeMo RL's grpo.invalid_tool_call_advantage: the tokens of a turn with invalid tool calls take
     the value in place of the estimator's advantage, after clipping; the sample's other turns, its
     observation tokens and the other samples keep theirs."""
-    c = cfg(group=2, grpo={"max_rollout_turns": 3, "invalid_tool_call_advantage": -5.0, "normalize_rewards": False,
-                           "use_leave_one_out_baseline": False, "advantage_clip_low": -1.0})
+    c = cfg(
+        group=2,
+        grpo={
+            "max_rollout_turns": 3,
+            "invalid_tool_call_advantage": -5.0,
+            "normalize_rewards": False,
+            "use_leave_one_out_baseline": False,
+            "advantage_clip_low": -1.0,
+        },
+    )
     # Row 0: turn 1 (2 tokens, its calls invalid), an observation token, turn 2 (1 token). Row 1 marks
     # only an observation token, which is not trained on either way.
-    rows = [Rollout(prompt_index=0, prompt_ids=[5, 6], response_ids=[7, 8, 9, 10], gen_logprobs=[-0.5, -0.5, 0.0, -0.5],
-                    text="", truncated=False, reward=r, response_mask=[1, 1, 0, 1], turns=2, invalid_call_mask=m)
-            for r, m in ((1.0, [1, 1, 0, 0]), (0.0, [0, 0, 1, 0]))]
+    rows = [
+        Rollout(
+            prompt_index=0,
+            prompt_ids=[5, 6],
+            response_ids=[7, 8, 9, 10],
+            gen_logprobs=[-0.5, -0.5, 0.0, -0.5],
+            text="",
+            truncated=False,
+            reward=r,
+            response_mask=[1, 1, 0, 1],
+            turns=2,
+            invalid_call_mask=m,
+        )
+        for r, m in ((1.0, [1, 1, 0, 0]), (0.0, [0, 0, 1, 0]))
+    ]
     batch, _ = prepare_batch(c.grpo, c.policy, rows, pad_id=0)
     metrics = add_advantages(c.grpo, c.loss_fn, rows, with_logprobs(batch))
     # Rewards 1 and 0, mean 0.5: advantages +0.5 and -0.5 on the trained tokens (positions 2, 3, 5).
-    torch.testing.assert_close(batch["advantages"], torch.tensor([[0.0, 0.0, -5.0, -5.0, 0.0, 0.5],
-                                                                  [0.0, 0.0, -0.5, -0.5, 0.0, -0.5]]))
+    torch.testing.assert_close(
+        batch["advantages"], torch.tensor([[0.0, 0.0, -5.0, -5.0, 0.0, 0.5], [0.0, 0.0, -0.5, -0.5, 0.0, -0.5]])
+    )
     assert metrics["invalid_tool_call_tokens"] == 2.0
     assert metrics["advantage_abs_mean"] == pytest.approx((5 + 5 + 0.5 + 0.5 * 3) / 6)
     # Off (the default): the estimator's advantages are untouched.
@@ -225,10 +274,13 @@ def test_invalid_tool_call_advantage_replaces_the_advantage_of_the_bad_turns_tok
     assert batch["advantages"][0].tolist() == [0.0, 0.0, 0.5, 0.5, 0.0, 0.5]
 
 
-@pytest.mark.parametrize("sections, words", [
-    ({"grpo": {"invalid_tool_call_advantage": -1.0}}, "needs grpo.max_rollout_turns > 1"),
-    ({"grpo": {"invalid_tool_call_advantage": -1.0, "max_rollout_turns": 2}, "ppo": {}}, "PPO's come from GAE"),
-])
+@pytest.mark.parametrize(
+    "sections, words",
+    [
+        ({"grpo": {"invalid_tool_call_advantage": -1.0}}, "needs grpo.max_rollout_turns > 1"),
+        ({"grpo": {"invalid_tool_call_advantage": -1.0, "max_rollout_turns": 2}, "ppo": {}}, "PPO's come from GAE"),
+    ],
+)
 def test_invalid_tool_call_advantage_is_refused_where_it_would_do_nothing(sections, words):
     from grpo_train.config import ConfigError
 
@@ -265,5 +317,6 @@ def test_refit_check_scores_on_both_sides_at_the_same_time():
         train_step.check_refit(config, Scorer("trainer"), Scorer("engine"), probe)
     assert seen == [1, 1]
     answers["engine"] = [[-1.0, -0.5]]
-    assert train_step.check_refit(config, Scorer("trainer"), Scorer("engine"), probe)[
-        "refit/max_abs_logprob_diff"] == 0.0
+    assert (
+        train_step.check_refit(config, Scorer("trainer"), Scorer("engine"), probe)["refit/max_abs_logprob_diff"] == 0.0
+    )

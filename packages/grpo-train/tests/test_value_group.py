@@ -28,8 +28,13 @@ LOSS = ValueLossConfig(value_clip=0.5)
 
 
 def value_cfg(num_workers: int) -> ValueConfig:
-    return ValueConfig(num_workers=num_workers, train_micro_batch_size=2, inference_batch_size=3, max_grad_norm=1.0,
-                       optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.5}})
+    return ValueConfig(
+        num_workers=num_workers,
+        train_micro_batch_size=2,
+        inference_batch_size=3,
+        max_grad_norm=1.0,
+        optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.5}},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +46,11 @@ def make_batch(policy_batch):
         rows = policy_batch(B, seed)
         g = torch.Generator().manual_seed(seed + 1)
         mask = rows["token_mask"]
-        return {**{k: rows[k] for k in ("input_ids", "attention_mask", "token_mask", "sample_mask")},
-                "returns": torch.randn(mask.shape, generator=g) * mask,
-                "values": 0.3 * torch.randn(mask.shape, generator=g) * mask}
+        return {
+            **{k: rows[k] for k in ("input_ids", "attention_mask", "token_mask", "sample_mask")},
+            "returns": torch.randn(mask.shape, generator=g) * mask,
+            "values": 0.3 * torch.randn(mask.shape, generator=g) * mask,
+        }
 
     return build
 
@@ -87,7 +94,9 @@ def test_checkpoint_from_rank_0_resumes_every_rank_bitwise(group, tiny_qwen2_dir
     folder is the single worker's format (a single worker loads it to the same weights)."""
     folder = str(tmp_path / "value")
     group.save(folder)
-    assert (tmp_path / "value" / "model" / HEAD_FILE).is_file() and (tmp_path / "value" / "optimizer.safetensors").is_file()
+    assert (tmp_path / "value" / "model" / HEAD_FILE).is_file() and (
+        tmp_path / "value" / "optimizer.safetensors"
+    ).is_file()
     saved = group.weights()
     batch = make_batch(seed=1)
     first = group.train(batch), ray.get([w.weights.remote() for w in group.workers])
@@ -127,14 +136,18 @@ def test_steps_split_evenly_and_metrics_add_up(make_batch):
     assert torch.equal(shards[0]["input_ids"], torch.cat([batch["input_ids"][0:4], batch["input_ids"][8:12]]))
     # Row 8 is masked: the second optimizer step has 7 samples.
     assert seqs == [8.0, 7.0] and sum(tokens) == float((batch["token_mask"] * batch["sample_mask"][:, None]).sum())
-    combined = combine_rank_metrics([{"value_loss": 0.25, "value_lr": 0.1}, {"value_loss": 0.5, "value_lr": 0.1}],
-                                    shared=("value_lr",))
+    combined = combine_rank_metrics(
+        [{"value_loss": 0.25, "value_lr": 0.1}, {"value_loss": 0.5, "value_lr": 0.1}], shared=("value_lr",)
+    )
     assert combined == {"value_loss": 0.75, "value_lr": 0.1}
 
 
 def ppo_config(**sections) -> dict:
-    base = {"grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 2},
-            "policy": {"train_global_batch_size": 4, "train_micro_batch_size": 2}, "ppo": {}}
+    base = {
+        "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 2},
+        "policy": {"train_global_batch_size": 4, "train_micro_batch_size": 2},
+        "ppo": {},
+    }
     return base | sections
 
 
@@ -142,18 +155,41 @@ GPU_CLUSTER = {"gpus_per_node": 2, "num_nodes": 1}
 SEPARATE_GENERATION = {"colocated": {"enabled": False, "resources": {"gpus_per_node": 1, "num_nodes": 1}}}
 
 
-@pytest.mark.parametrize(("sections", "words"), [
-    ({"cluster": GPU_CLUSTER, "value": {"num_workers": 2}}, ("value.num_workers (2)", "cluster.gpus_per_node")),
-    ({"cluster": GPU_CLUSTER, "policy": {"train_global_batch_size": 4, "train_micro_batch_size": 2,
-                                         "generation": SEPARATE_GENERATION}},
-     ("policy.generation.colocated.resources GPUs (1)", "= 3 GPUs")),
-    ({"value": {"num_workers": 3}}, ("value.train_global_batch_size (4)", "value.num_workers (3)")),
-    ({"cluster": {"num_cpus": 3}, "value": {"num_workers": 2}}, ("value.num_workers (2)", "= 4 CPUs", "cluster.num_cpus is 3")),
-    ({"value": {"num_gpus": 1}}, ("value.num_gpus was replaced by value.num_workers",)),
-    ({"value": {"sequence_packing": {"enabled": True}, "dynamic_batching": {"enabled": True}}},
-     ("value.dynamic_batching and value.sequence_packing",)),
-], ids=["value-ranks-over-gpus", "separate-generation-over-gpus", "uneven-split", "local-cpus", "num-gpus",
-     "two-planners"])
+@pytest.mark.parametrize(
+    ("sections", "words"),
+    [
+        ({"cluster": GPU_CLUSTER, "value": {"num_workers": 2}}, ("value.num_workers (2)", "cluster.gpus_per_node")),
+        (
+            {
+                "cluster": GPU_CLUSTER,
+                "policy": {
+                    "train_global_batch_size": 4,
+                    "train_micro_batch_size": 2,
+                    "generation": SEPARATE_GENERATION,
+                },
+            },
+            ("policy.generation.colocated.resources GPUs (1)", "= 3 GPUs"),
+        ),
+        ({"value": {"num_workers": 3}}, ("value.train_global_batch_size (4)", "value.num_workers (3)")),
+        (
+            {"cluster": {"num_cpus": 3}, "value": {"num_workers": 2}},
+            ("value.num_workers (2)", "= 4 CPUs", "cluster.num_cpus is 3"),
+        ),
+        ({"value": {"num_gpus": 1}}, ("value.num_gpus was replaced by value.num_workers",)),
+        (
+            {"value": {"sequence_packing": {"enabled": True}, "dynamic_batching": {"enabled": True}}},
+            ("value.dynamic_batching and value.sequence_packing",),
+        ),
+    ],
+    ids=[
+        "value-ranks-over-gpus",
+        "separate-generation-over-gpus",
+        "uneven-split",
+        "local-cpus",
+        "num-gpus",
+        "two-planners",
+    ],
+)
 def test_config_refuses_value_ranks_that_cannot_run(sections, words):
     with pytest.raises(ConfigError) as info:
         validate_config_dict(ppo_config(**sections))

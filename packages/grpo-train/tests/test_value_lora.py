@@ -25,14 +25,23 @@ def make_batch(seed: int, B: int = 4) -> dict[str, torch.Tensor]:
     attention_mask = (torch.arange(S)[None, :] < lengths[:, None]).long()
     token_mask = attention_mask.float().clone()
     token_mask[:, :3] = 0
-    return {"input_ids": torch.randint(3, VOCAB, (B, S), generator=g) * attention_mask,
-            "attention_mask": attention_mask, "token_mask": token_mask, "sample_mask": torch.ones(B),
-            "values": torch.zeros(B, S), "returns": torch.randn(B, S, generator=g) * token_mask}
+    return {
+        "input_ids": torch.randint(3, VOCAB, (B, S), generator=g) * attention_mask,
+        "attention_mask": attention_mask,
+        "token_mask": token_mask,
+        "sample_mask": torch.ones(B),
+        "values": torch.zeros(B, S),
+        "returns": torch.randn(B, S, generator=g) * token_mask,
+    }
 
 
 def value_cfg(**lora) -> ValueConfig:
-    return ValueConfig(lora_cfg=LoRAConfig(enabled=True, **lora), train_micro_batch_size=2, max_grad_norm=None,
-                       optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": LR, "weight_decay": 0.0}})
+    return ValueConfig(
+        lora_cfg=LoRAConfig(enabled=True, **lora),
+        train_micro_batch_size=2,
+        max_grad_norm=None,
+        optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": LR, "weight_decay": 0.0}},
+    )
 
 
 def twin_name(worker_name: str) -> str:
@@ -45,16 +54,23 @@ def test_only_adapters_and_head_train_and_one_step_matches_a_peft_twin(tiny_qwen
     from transformers import AutoModel
 
     targets, excluded = ["q_proj", "v_proj", "down_proj"], ["layers.0.mlp.down_proj"]
-    v = ValueWorker(tiny_qwen2_dir, value_cfg(match_all_linear=False, target_modules=targets,
-                                              exclude_modules=excluded, dim=4, alpha=8),
-                    LOSS, global_batch_size=4, seed=0)
+    v = ValueWorker(
+        tiny_qwen2_dir,
+        value_cfg(match_all_linear=False, target_modules=targets, exclude_modules=excluded, dim=4, alpha=8),
+        LOSS,
+        global_batch_size=4,
+        seed=0,
+    )
     trainable = {n for n, p in v.model.named_parameters() if p.requires_grad}
     assert trainable == set(v.master.names)
-    assert {"head.weight", "head.bias"} <= trainable and all("lora_" in n for n in trainable - {"head.weight", "head.bias"})
+    assert {"head.weight", "head.bias"} <= trainable and all(
+        "lora_" in n for n in trainable - {"head.weight", "head.bias"}
+    )
     adapted = {n.split(".lora_A")[0] for n in trainable if ".lora_A." in n}
     layers = {n.split(".self_attn")[0] for n in adapted if ".self_attn." in n}
     expected = {f"{layer}.self_attn.{m}" for layer in layers for m in ("q_proj", "v_proj")} | {
-        f"{layer}.mlp.down_proj" for layer in layers if layer != "backbone.layers.0"}
+        f"{layer}.mlp.down_proj" for layer in layers if layer != "backbone.layers.0"
+    }
     assert len(layers) >= 2 and adapted == expected
     # A non-zero head and lora_B, so that every trained parameter gets a gradient at the first step
     # (both start at zero: the head's zero would stop the backbone's gradients).
@@ -67,11 +83,15 @@ def test_only_adapters_and_head_train_and_one_step_matches_a_peft_twin(tiny_qwen
 
     # The twin: peft's LoRA on a fresh backbone (peft's names: r, lora_alpha), the worker's initial
     # adapters and head, the value loss written out, and torch's AdamW.
-    backbone = get_peft_model(AutoModel.from_pretrained(tiny_qwen2_dir, dtype=torch.float32),
-                              LoraConfig(r=4, lora_alpha=8, target_modules=targets, exclude_modules=excluded))
+    backbone = get_peft_model(
+        AutoModel.from_pretrained(tiny_qwen2_dir, dtype=torch.float32),
+        LoraConfig(r=4, lora_alpha=8, target_modules=targets, exclude_modules=excluded),
+    )
     head = torch.nn.Linear(backbone.config.hidden_size, 1)
-    twin = {**{f"head.{k}": p for k, p in head.named_parameters()},
-            **{n: p for n, p in backbone.named_parameters() if p.requires_grad}}
+    twin = {
+        **{f"head.{k}": p for k, p in head.named_parameters()},
+        **{n: p for n, p in backbone.named_parameters() if p.requires_grad},
+    }
     assert set(twin) == {twin_name(n) for n in trainable}
     with torch.no_grad():
         for n in trainable:
@@ -104,12 +124,17 @@ def test_dropout_reaches_the_adapters_of_all_linear_layers_and_rollout_values_ar
     from peft.tuners.lora import LoraLayer
 
     v = ValueWorker(tiny_qwen2_dir, value_cfg(dropout=0.5), LOSS, global_batch_size=4, seed=0)
-    linears = [n for n, m in ValueWorker(tiny_qwen2_dir, ValueConfig(), LOSS, 4, 0).model.backbone.named_modules()
-               if isinstance(m, torch.nn.Linear)]
+    linears = [
+        n
+        for n, m in ValueWorker(tiny_qwen2_dir, ValueConfig(), LOSS, 4, 0).model.backbone.named_modules()
+        if isinstance(m, torch.nn.Linear)
+    ]
     lora_layers = {n: m for n, m in v.model.backbone.named_modules() if isinstance(m, LoraLayer)}
     assert sorted(lora_layers) == sorted(linears)  # match_all_linear: every linear layer of the backbone
-    assert all(isinstance(m.lora_dropout["default"], torch.nn.Dropout) and m.lora_dropout["default"].p == 0.5
-               for m in lora_layers.values())
+    assert all(
+        isinstance(m.lora_dropout["default"], torch.nn.Dropout) and m.lora_dropout["default"].p == 0.5
+        for m in lora_layers.values()
+    )
     with torch.no_grad():
         for n, p in v.model.named_parameters():
             if n.startswith("head.") or ".lora_B." in n:
@@ -147,8 +172,9 @@ def test_lora_checkpoint_keeps_adapters_and_head_and_resumes_bitwise(tiny_qwen2_
     assert set(masters) == set(first.master.names) and all(t.dtype == torch.float32 for t in masters.values())
     assert sorted(p.name for p in (tmp_path / "model").iterdir()) == [HEAD_FILE]
     # PEFT format: peft loads the adapters onto the bare backbone with the saved fp32 values.
-    peft_model = PeftModel.from_pretrained(AutoModel.from_pretrained(tiny_qwen2_dir, dtype=torch.float32),
-                                           str(tmp_path / ADAPTER_DIR))
+    peft_model = PeftModel.from_pretrained(
+        AutoModel.from_pretrained(tiny_qwen2_dir, dtype=torch.float32), str(tmp_path / ADAPTER_DIR)
+    )
     loaded = {n: p for n, p in peft_model.named_parameters() if ".lora_" in n}
     adapters = {twin_name(n): t for n, t in masters.items() if n.startswith("backbone.")}
     assert loaded.keys() == adapters.keys() and all(torch.equal(loaded[n].detach(), adapters[n]) for n in loaded)
@@ -162,12 +188,15 @@ def test_bad_value_lora_is_refused_at_its_key_before_training(tiny_qwen2_dir):
     from grpo_train.setup import StartupError, check_model_options
 
     def config(**lora):
-        return validate_config_dict({"ppo": {}, "policy": {"model_name": tiny_qwen2_dir},
-                                     "value": {"lora_cfg": {"enabled": True, **lora}}})
+        return validate_config_dict(
+            {"ppo": {}, "policy": {"model_name": tiny_qwen2_dir}, "value": {"lora_cfg": {"enabled": True, **lora}}}
+        )
 
     with pytest.raises(StartupError, match=r"^value\.lora_cfg\.target_modules: 'nope' matches no linear module"):
         check_model_options(config(match_all_linear=False, target_modules=["nope"]), tiny_qwen2_dir)
     with pytest.raises(StartupError, match=r"^value\.lora_cfg\.exclude_modules: "):
-        check_model_options(config(exclude_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                    "down_proj"]), tiny_qwen2_dir)
+        check_model_options(
+            config(exclude_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+            tiny_qwen2_dir,
+        )
     check_model_options(config(), tiny_qwen2_dir)  # the backbone's linear layers: accepted

@@ -12,8 +12,16 @@ torch.set_num_threads(1)
 
 def one_token(v: float, old: float, ret: float, clip: float | None = 0.2):
     values = torch.tensor([[v]], requires_grad=True)
-    loss, metrics = value_loss_fn(values, torch.tensor([[old]]), torch.tensor([[ret]]), torch.ones(1, 1), torch.ones(1),
-                                  ValueLossConfig(value_clip=clip), global_tokens=1.0, global_seqs=1.0)
+    loss, metrics = value_loss_fn(
+        values,
+        torch.tensor([[old]]),
+        torch.tensor([[ret]]),
+        torch.ones(1, 1),
+        torch.ones(1),
+        ValueLossConfig(value_clip=clip),
+        global_tokens=1.0,
+        global_seqs=1.0,
+    )
     loss.backward()
     return float(loss.detach()), float(values.grad), float(metrics["value_clip_fraction"])
 
@@ -47,11 +55,27 @@ def test_reductions_use_global_counts_and_masks():
     returns = torch.zeros(3, 3)
     token_mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
     sample_mask = torch.tensor([1.0, 1.0, 0.0])  # row 2 excluded
-    tok, _ = value_loss_fn(values, values, returns, token_mask, sample_mask, ValueLossConfig(value_clip=None),
-                           global_tokens=6.0, global_seqs=4.0)
+    tok, _ = value_loss_fn(
+        values,
+        values,
+        returns,
+        token_mask,
+        sample_mask,
+        ValueLossConfig(value_clip=None),
+        global_tokens=6.0,
+        global_seqs=4.0,
+    )
     assert abs(float(tok) - 0.5 * (1 + 4 + 9) / 6.0) < 1e-6
-    seq, _ = value_loss_fn(values, values, returns, token_mask, sample_mask,
-                           ValueLossConfig(value_clip=None, token_level_loss=False), global_tokens=6.0, global_seqs=4.0)
+    seq, _ = value_loss_fn(
+        values,
+        values,
+        returns,
+        token_mask,
+        sample_mask,
+        ValueLossConfig(value_clip=None, token_level_loss=False),
+        global_tokens=6.0,
+        global_seqs=4.0,
+    )
     assert abs(float(seq) - 0.5 * ((1 + 4) / 2 + 9 / 1) / 4.0) < 1e-6
 
 
@@ -62,6 +86,10 @@ def test_micro_batch_partial_sums_add_up_to_the_full_batch_loss():
     cfg = ValueLossConfig(value_clip=0.1)
     total = float(token_mask.sum())
     full, _ = value_loss_fn(values, old, returns, token_mask, torch.ones(4), cfg, total, 4.0)
-    parts = sum(value_loss_fn(values[i:i + 2], old[i:i + 2], returns[i:i + 2], token_mask[i:i + 2], torch.ones(2), cfg,
-                              total, 4.0)[0] for i in (0, 2))
+    parts = sum(
+        value_loss_fn(
+            values[i : i + 2], old[i : i + 2], returns[i : i + 2], token_mask[i : i + 2], torch.ones(2), cfg, total, 4.0
+        )[0]
+        for i in (0, 2)
+    )
     torch.testing.assert_close(parts, full)

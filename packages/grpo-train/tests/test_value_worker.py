@@ -12,8 +12,12 @@ torch.set_num_threads(1)
 
 
 def value_cfg(**kw) -> ValueConfig:
-    base = dict(train_micro_batch_size=8, inference_batch_size=3, max_grad_norm=None,
-                optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.1}})
+    base = dict(
+        train_micro_batch_size=8,
+        inference_batch_size=3,
+        max_grad_norm=None,
+        optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.1}},
+    )
     return ValueConfig(**(base | kw))
 
 
@@ -26,14 +30,19 @@ def make_batch(seed: int = 0, B: int = 8) -> dict[str, torch.Tensor]:
     token_mask[:, :3] = 0  # 3 prompt tokens
     sample_mask = torch.ones(B)
     sample_mask[1] = 0
-    return {"input_ids": torch.randint(3, 64, (B, S), generator=g) * attention_mask, "attention_mask": attention_mask,
-            "token_mask": token_mask, "sample_mask": sample_mask,
-            "returns": torch.randn(B, S, generator=g) * token_mask}
+    return {
+        "input_ids": torch.randint(3, 64, (B, S), generator=g) * attention_mask,
+        "attention_mask": attention_mask,
+        "token_mask": token_mask,
+        "sample_mask": sample_mask,
+        "returns": torch.randn(B, S, generator=g) * token_mask,
+    }
 
 
 def worker(model_dir: str, device: str = "cpu", **kw) -> ValueWorker:
-    return ValueWorker(model_dir, value_cfg(**kw), ValueLossConfig(value_clip=0.5), global_batch_size=8, seed=0,
-                       device=device)
+    return ValueWorker(
+        model_dir, value_cfg(**kw), ValueLossConfig(value_clip=0.5), global_batch_size=8, seed=0, device=device
+    )
 
 
 def test_values_start_at_zero_and_are_aligned_and_padding_invariant(tiny_qwen2_dir):
@@ -66,10 +75,28 @@ def test_micro_batch_size_does_not_change_the_step(tiny_qwen2_dir):
     torch.testing.assert_close(results[0][1], results[1][1], atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("batching", [
-    {"sequence_packing": {"enabled": True, "train_mb_tokens": 24, "logprob_mb_tokens": 30, "sequence_length_round": 4}},
-    {"dynamic_batching": {"enabled": True, "train_mb_tokens": 24, "logprob_mb_tokens": 30, "sequence_length_round": 4}},
-], ids=["packed", "dynamic"])
+@pytest.mark.parametrize(
+    "batching",
+    [
+        {
+            "sequence_packing": {
+                "enabled": True,
+                "train_mb_tokens": 24,
+                "logprob_mb_tokens": 30,
+                "sequence_length_round": 4,
+            }
+        },
+        {
+            "dynamic_batching": {
+                "enabled": True,
+                "train_mb_tokens": 24,
+                "logprob_mb_tokens": 30,
+                "sequence_length_round": 4,
+            }
+        },
+    ],
+    ids=["packed", "dynamic"],
+)
 def test_token_budget_micro_batches_match_padded_ones(tiny_qwen2_dir, batching):
     """value.sequence_packing / value.dynamic_batching: the same values, loss and updated weights."""
     batch = make_batch()

@@ -24,9 +24,13 @@ KIB = 1024
 
 def sample_tensors() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return {"a": torch.randn(10, 30, generator=g), "b": torch.randn(5, generator=g),
-            "big": torch.randn(64, 64, generator=g), "h": torch.randn(3, 7, generator=g).to(torch.bfloat16),
-            "c": torch.randn(2, 2, 2, generator=g)}
+    return {
+        "a": torch.randn(10, 30, generator=g),
+        "b": torch.randn(5, generator=g),
+        "big": torch.randn(64, 64, generator=g),
+        "h": torch.randn(3, 7, generator=g).to(torch.bfloat16),
+        "c": torch.randn(2, 2, 2, generator=g),
+    }
 
 
 def test_bucket_plan_keeps_order_dtype_and_size():
@@ -87,21 +91,42 @@ def train_batch(B: int = 4) -> dict[str, torch.Tensor]:
     mask = torch.ones(B, S, dtype=torch.long)
     token_mask = mask.float().clone()
     token_mask[:, :4] = 0
-    return {"input_ids": ids, "attention_mask": mask, "token_mask": token_mask, "sample_mask": torch.ones(B),
-            "gen_logprobs": torch.zeros(B, S), "advantages": torch.randn(B, 1, generator=g) * token_mask}
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "token_mask": token_mask,
+        "sample_mask": torch.ones(B),
+        "gen_logprobs": torch.zeros(B, S),
+        "advantages": torch.randn(B, 1, generator=g) * token_mask,
+    }
 
 
 def test_separate_engine_is_refit_over_the_collective_transport(ray_session, tiny_qwen2_dir):
     from grpo_train.generation import make_generation_actor
     from grpo_train.policy.group import PolicyGroup
 
-    cfg = PolicyConfig(precision="float32", train_global_batch_size=4, train_micro_batch_size=4, max_grad_norm=None,
-                       optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 5.0}}, generation={"temperature": TEMPERATURE})
+    cfg = PolicyConfig(
+        precision="float32",
+        train_global_batch_size=4,
+        train_micro_batch_size=4,
+        max_grad_norm=None,
+        optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 5.0}},
+        generation={"temperature": TEMPERATURE},
+    )
     # The engine starts while the trainer loads (the constructor returns at once).
-    engine = make_generation_actor("vllm", tiny_qwen2_dir, num_cpus=1, dtype="float32", max_model_len=128, seed=0,
-                                   kv_cache_space_gb=0.125, temperature_for_logprobs=TEMPERATURE)
-    policy = PolicyGroup(tiny_qwen2_dir, cfg, LossConfig(reference_policy_kl_penalty=0.0), ClusterConfig(), seed=0,
-                         num_threads=1)
+    engine = make_generation_actor(
+        "vllm",
+        tiny_qwen2_dir,
+        num_cpus=1,
+        dtype="float32",
+        max_model_len=128,
+        seed=0,
+        kv_cache_space_gb=0.125,
+        temperature_for_logprobs=TEMPERATURE,
+    )
+    policy = PolicyGroup(
+        tiny_qwen2_dir, cfg, LossConfig(reference_policy_kl_penalty=0.0), ClusterConfig(), seed=0, num_threads=1
+    )
     try:
         ray.get(engine.ready.remote())
         transport = make_transport("collective", 64 / (1 << 20))  # 64 KiB buckets: dozens per push
@@ -136,16 +161,38 @@ def test_colocated_engine_sleeps_and_is_refit_over_ipc(tiny_qwen2_dir):
     from grpo_train.generation import make_generation_actor
     from grpo_train.policy.group import PolicyGroup
 
-    cfg = PolicyConfig(precision="float32", train_global_batch_size=4, train_micro_batch_size=4, max_grad_norm=None,
-                       optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 5.0}}, generation={"temperature": TEMPERATURE})
-    engine = make_generation_actor("vllm", tiny_qwen2_dir, num_cpus=1, num_gpus=0.5, dtype="float32", max_model_len=128,
-                                   seed=0, gpu_memory_utilization=0.3, temperature_for_logprobs=TEMPERATURE,
-                                   enable_sleep_mode=True)
+    cfg = PolicyConfig(
+        precision="float32",
+        train_global_batch_size=4,
+        train_micro_batch_size=4,
+        max_grad_norm=None,
+        optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 5.0}},
+        generation={"temperature": TEMPERATURE},
+    )
+    engine = make_generation_actor(
+        "vllm",
+        tiny_qwen2_dir,
+        num_cpus=1,
+        num_gpus=0.5,
+        dtype="float32",
+        max_model_len=128,
+        seed=0,
+        gpu_memory_utilization=0.3,
+        temperature_for_logprobs=TEMPERATURE,
+        enable_sleep_mode=True,
+    )
     from grpo_train.colocation import MemoryChoreography
     from grpo_train.generation.group import GeneratorGroup
 
-    policy = PolicyGroup(tiny_qwen2_dir, cfg, LossConfig(), ClusterConfig(gpus_per_node=1), seed=0,
-                         colocated_generation=True, start=False)
+    policy = PolicyGroup(
+        tiny_qwen2_dir,
+        cfg,
+        LossConfig(),
+        ClusterConfig(gpus_per_node=1),
+        seed=0,
+        colocated_generation=True,
+        start=False,
+    )
     memory = MemoryChoreography(policy, GeneratorGroup([engine]), active=True)
     memory.start_engines_first()  # the engine profiles a clean GPU, sleeps; then the trainer moves in
     policy.attach(make_transport("ipc", 1.0), [engine])

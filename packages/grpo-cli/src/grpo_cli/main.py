@@ -39,15 +39,24 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     def add_config_args(p: argparse.ArgumentParser, required: bool = False) -> None:
-        p.add_argument("--config", "-c", default=None if required else DEFAULT_CONFIG, required=required,
-                       help="YAML file or built-in config name (default: %(default)s)")
-        p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                       help="dotted overrides: a.b=v sets, +a.b=v adds, ~a.b deletes")
+        p.add_argument(
+            "--config",
+            "-c",
+            default=None if required else DEFAULT_CONFIG,
+            required=required,
+            help="YAML file or built-in config name (default: %(default)s)",
+        )
+        p.add_argument(
+            "overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides: a.b=v sets, +a.b=v adds, ~a.b deletes"
+        )
 
     train = sub.add_parser("train", help="run GRPO training")
     add_config_args(train)
-    train.add_argument("--run-dir", default=None, help="run folder (default: <logger.log_dir>/<config name>); "
-                       "an existing run folder with checkpoints is resumed")
+    train.add_argument(
+        "--run-dir",
+        default=None,
+        help="run folder (default: <logger.log_dir>/<config name>); an existing run folder with checkpoints is resumed",
+    )
 
     ev = sub.add_parser("eval", help="validate a model or checkpoint on the config's validation set")
     add_config_args(ev)
@@ -63,11 +72,15 @@ def _build_parser() -> argparse.ArgumentParser:
     validate.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     config_sub.add_parser("list", help="list the built-in configs")
 
-    plan = sub.add_parser("plan", help="print where every actor runs and what each GPU holds, without loading a "
-                          "model; exit 2 when the plan does not fit")
+    plan = sub.add_parser(
+        "plan",
+        help="print where every actor runs and what each GPU holds, without loading a "
+        "model; exit 2 when the plan does not fit",
+    )
     add_config_args(plan)
-    plan.add_argument("--gpu-memory-gb", type=float, default=None,
-                      help="memory of each GPU (default: cluster.gpu_memory_gb, else 80)")
+    plan.add_argument(
+        "--gpu-memory-gb", type=float, default=None, help="memory of each GPU (default: cluster.gpu_memory_gb, else 80)"
+    )
 
     plot = sub.add_parser("plot", help="plot reward, accuracy and KL of a run folder")
     plot.add_argument("run_dir")

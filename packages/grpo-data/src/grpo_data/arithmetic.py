@@ -23,7 +23,9 @@ DEFAULT_DIGITS = 2
 DEFAULT_OPERATIONS = ("+",)
 
 
-def make_problem(rng: random.Random, digits: int = DEFAULT_DIGITS, operations: Sequence[str] = DEFAULT_OPERATIONS) -> dict:
+def make_problem(
+    rng: random.Random, digits: int = DEFAULT_DIGITS, operations: Sequence[str] = DEFAULT_OPERATIONS
+) -> dict:
     """Draw one problem from `rng`. Pure apart from advancing `rng`.
 
     Draw order: a, b, then the operation (only when there is more than one to choose from), so

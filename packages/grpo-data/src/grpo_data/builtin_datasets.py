@@ -108,9 +108,7 @@ def _normalise(name: str) -> str:
     return re.sub(r"[^a-z0-9]", "", name.lower())
 
 
-_BY_NORMALISED = {
-    _normalise(alias): d for d in BUILTIN_DATASETS.values() for alias in (d.name, d.hub_name, *d.aliases)
-}
+_BY_NORMALISED = {_normalise(alias): d for d in BUILTIN_DATASETS.values() for alias in (d.name, d.hub_name, *d.aliases)}
 
 
 def find_builtin(name: str) -> BuiltinDataset | None:

@@ -109,7 +109,17 @@ POSITIVE_KEYS = ("max_input_seq_length", "repeat", "size", "digits")
 # common. Anything else is a typo and is refused with its key path.
 ARITHMETIC_KEYS = frozenset({"size", "digits", "operations"})
 FILE_KEYS = frozenset(
-    {"data_path", "train_data_path", "val_data_path", "input_key", "output_key", "subset", "split", "val_split", "repeat"}
+    {
+        "data_path",
+        "train_data_path",
+        "val_data_path",
+        "input_key",
+        "output_key",
+        "subset",
+        "split",
+        "val_split",
+        "repeat",
+    }
 )
 COMMON_KEYS = DATASET_KEYS - ARITHMETIC_KEYS - FILE_KEYS
 
@@ -151,8 +161,9 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         if not self.max_input_seq_length >= 1:
-            raise DatasetKeyError("max_input_seq_length", self.max_input_seq_length,
-                                  "Input should be greater than or equal to 1")
+            raise DatasetKeyError(
+                "max_input_seq_length", self.max_input_seq_length, "Input should be greater than or equal to 1"
+            )
         if not self.num_workers >= 0:
             raise DatasetKeyError("num_workers", self.num_workers, "Input should be greater than or equal to 0")
         if self.bad_rows not in BAD_ROWS_POLICIES:

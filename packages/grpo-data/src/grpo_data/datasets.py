@@ -94,8 +94,11 @@ class ProcessedDataset(Dataset):
         check_processor_options(self.processor, self.processor_kwargs, self.processor_name)
         # Carried on every datum for the renders after the prompt's (tools, tool messages), even
         # where the processor itself renders no template.
-        kwargs = chat_template_kwargs if chat_template_kwargs is not None else self.processor_kwargs.get(
-            "chat_template_kwargs")
+        kwargs = (
+            chat_template_kwargs
+            if chat_template_kwargs is not None
+            else self.processor_kwargs.get("chat_template_kwargs")
+        )
         self.chat_template_kwargs = dict(kwargs) if kwargs else None
         self.task_spec = task_spec
         self.tokenizer = tokenizer
@@ -115,8 +118,9 @@ class ProcessedDataset(Dataset):
     def __getitem__(self, i: int) -> DatumSpec:
         if self._datums is not None:
             datum = self._datums[i]  # a copy: callers may extend a prompt's messages or env info
-            return dataclasses.replace(datum, message_log=[dict(m) for m in datum.message_log],
-                                       extra_env_info=dict(datum.extra_env_info))
+            return dataclasses.replace(
+                datum, message_log=[dict(m) for m in datum.message_log], extra_env_info=dict(datum.extra_env_info)
+            )
         try:
             return self._process(self.rows[i], i)
         except DataError as exc:
@@ -173,11 +177,15 @@ class ProcessedDataset(Dataset):
             datums.append(datum)
         self.num_skipped = bad_rows.count - skipped_before
         if not datums:
-            raise DataError(f"{self.source}: every row is bad ({self.num_skipped} skipped; first: {bad_rows.examples[0]})")
+            raise DataError(
+                f"{self.source}: every row is bad ({self.num_skipped} skipped; first: {bad_rows.examples[0]})"
+            )
         return datums
 
     def __repr__(self) -> str:
-        return f"ProcessedDataset({self.name!r}, {len(self)} rows from {self.source!r}, processor={self.processor_name!r})"
+        return (
+            f"ProcessedDataset({self.name!r}, {len(self)} rows from {self.source!r}, processor={self.processor_name!r})"
+        )
 
 
 @dataclass
@@ -206,7 +214,9 @@ def _kind(entry: DatasetEntry, where: str) -> str:
     if name is None:
         if entry.data_path or entry.train_data_path:
             return RESPONSE_DATASET
-        raise DataError(f"{where}.dataset_name: missing; give {ARITHMETIC!r}, {RESPONSE_DATASET!r} (with data_path) or one of {sorted(BUILTIN_DATASETS)}")
+        raise DataError(
+            f"{where}.dataset_name: missing; give {ARITHMETIC!r}, {RESPONSE_DATASET!r} (with data_path) or one of {sorted(BUILTIN_DATASETS)}"
+        )
     if name == ARITHMETIC or name == RESPONSE_DATASET:
         return name
     if find_builtin(name) is None:
@@ -273,7 +283,11 @@ def _load_rows(cfg: DatasetEntry, kind: str, where: str, bad_rows: BadRows):
 
 
 def build_dataset_parts(
-    cfg: DatasetEntry, tokenizer, *, where: str = "data", bad_rows: str = DEFAULT_POLICY,
+    cfg: DatasetEntry,
+    tokenizer,
+    *,
+    where: str = "data",
+    bad_rows: str = DEFAULT_POLICY,
     chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> tuple[ProcessedDataset, ProcessedDataset | None]:
     """(main, validation) processed datasets of one entry; validation only if rows were carved
@@ -318,8 +332,9 @@ def build_dataset_parts(
     return main, validation
 
 
-def build_dataset(cfg: DatasetEntry, tokenizer, part: str = "train", *, where: str = "data",
-                  bad_rows: str = DEFAULT_POLICY) -> ProcessedDataset:
+def build_dataset(
+    cfg: DatasetEntry, tokenizer, part: str = "train", *, where: str = "data", bad_rows: str = DEFAULT_POLICY
+) -> ProcessedDataset:
     """One `ProcessedDataset` from one dataset entry of the config.
 
     `part="train"` is the rows left after carving a validation set (all rows if none is
@@ -339,8 +354,9 @@ def build_dataset(cfg: DatasetEntry, tokenizer, part: str = "train", *, where: s
 # The data section
 
 
-def build_data(data_cfg: DataConfig, tokenizer, *, where: str = "data",
-               chat_template_kwargs: Mapping[str, Any] | None = None) -> DataSplits:
+def build_data(
+    data_cfg: DataConfig, tokenizer, *, where: str = "data", chat_template_kwargs: Mapping[str, Any] | None = None
+) -> DataSplits:
     """All processed datasets of a data section: `train`, `validation`, `default`, the
     section-wide `max_input_seq_length` as a default for every dataset, and `bad_rows`
     ("refuse" or "skip") for every dataset. `chat_template_kwargs` (the tokenizer's) apply to
@@ -355,15 +371,25 @@ def build_data(data_cfg: DataConfig, tokenizer, *, where: str = "data",
     if not train_entries and data_cfg.validation is None:
         raise DataError(f"{where}.train: no dataset configured")
     for entry_where, entry in train_entries:
-        main, validation = build_dataset_parts(_with_defaults(defaults, entry, entry_where), tokenizer, where=entry_where,
-                                               bad_rows=policy, chat_template_kwargs=chat_template_kwargs)
+        main, validation = build_dataset_parts(
+            _with_defaults(defaults, entry, entry_where),
+            tokenizer,
+            where=entry_where,
+            bad_rows=policy,
+            chat_template_kwargs=chat_template_kwargs,
+        )
         _count_skips(splits, entry_where, main, validation)
         splits.train.append(main)
         if validation is not None:
             splits.validation.append(validation)
     for entry_where, entry in data_cfg.entries("validation", where):
-        main, extra = build_dataset_parts(_with_defaults(defaults, entry, entry_where), tokenizer, where=entry_where,
-                                          bad_rows=policy, chat_template_kwargs=chat_template_kwargs)
+        main, extra = build_dataset_parts(
+            _with_defaults(defaults, entry, entry_where),
+            tokenizer,
+            where=entry_where,
+            bad_rows=policy,
+            chat_template_kwargs=chat_template_kwargs,
+        )
         _count_skips(splits, entry_where, main, extra)
         splits.validation.append(main)
         if extra is not None:

@@ -179,7 +179,9 @@ def make_train_iterator(
         return InfiniteDataLoader(dataset, num_prompts_per_step, shuffle, seed, True, num_workers)
     per_loader = data_cfg.num_prompts_per_dataloader
     if not isinstance(per_loader, int) or per_loader < 1:
-        raise DataError(f"data.num_prompts_per_dataloader={per_loader!r}; expected a positive integer with use_multiple_dataloader")
+        raise DataError(
+            f"data.num_prompts_per_dataloader={per_loader!r}; expected a positive integer with use_multiple_dataloader"
+        )
     names = [getattr(ds, "name", f"dataset{i}") for i, ds in enumerate(train_datasets)]
     if len(set(names)) != len(names):
         raise DataError(f"data.train: dataset names must be unique for multiple dataloaders, got {names}")

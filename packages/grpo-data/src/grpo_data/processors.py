@@ -94,7 +94,9 @@ def _env_info(row: Mapping, output_key: str | None, idx: int, required: bool) ->
     return info
 
 
-def render_chat(tokenizer, messages: Sequence[Mapping[str, str]], chat_template_kwargs: Mapping | None = None) -> list[str]:
+def render_chat(
+    tokenizer, messages: Sequence[Mapping[str, str]], chat_template_kwargs: Mapping | None = None
+) -> list[str]:
     """Render `messages` with the chat template and split the text into one piece per message.
 
     The whole conversation is rendered once with the generation prompt; message k's piece is
@@ -105,9 +107,7 @@ def render_chat(tokenizer, messages: Sequence[Mapping[str, str]], chat_template_
     """
     kwargs = dict(chat_template_kwargs or {})
     if getattr(tokenizer, "chat_template", None) is None:
-        raise DataError(
-            "the tokenizer has no chat template; set tokenizer.chat_template or use the 'plain' processor"
-        )
+        raise DataError("the tokenizer has no chat template; set tokenizer.chat_template or use the 'plain' processor")
 
     def apply(msgs: Sequence[Mapping[str, str]], generation_prompt: bool) -> str:
         return tokenizer.apply_chat_template(
@@ -135,7 +135,12 @@ def _tokenise_pieces(tokenizer, messages: Sequence[Mapping[str, str]], pieces: S
     renders after the prompt's (the multi-turn rollout renders tools into the prompt again)."""
     ids = tokenizer(list(pieces), add_special_tokens=False)["input_ids"]
     return [
-        {"role": m["role"], "content": piece, "token_ids": torch.tensor(tok, dtype=torch.long), "raw_content": m["content"]}
+        {
+            "role": m["role"],
+            "content": piece,
+            "token_ids": torch.tensor(tok, dtype=torch.long),
+            "raw_content": m["content"],
+        }
         for m, piece, tok in zip(messages, pieces, ids)
     ]
 
@@ -209,7 +214,11 @@ def plain_processor(
     message_log = []
     if task_spec.system_prompt:
         message_log.append(
-            {"role": "system", "content": task_spec.system_prompt, "token_ids": encode(tokenizer, task_spec.system_prompt)}
+            {
+                "role": "system",
+                "content": task_spec.system_prompt,
+                "token_ids": encode(tokenizer, task_spec.system_prompt),
+            }
         )
     text = task_spec.render(_text_field(row, input_key, idx))
     message_log.append({"role": "user", "content": text, "token_ids": encode(tokenizer, text)})
@@ -264,8 +273,10 @@ def _conversation(row: Mapping, input_key: str, idx: int) -> list[dict]:
         raise DataError(f"item {idx}, key {input_key!r}: expected a non-empty list of messages")
     out = []
     for i, message in enumerate(messages):
-        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str) or not isinstance(
-            message.get("content"), str
+        if (
+            not isinstance(message, Mapping)
+            or not isinstance(message.get("role"), str)
+            or not isinstance(message.get("content"), str)
         ):
             raise DataError(f"item {idx}, key '{input_key}[{i}]': expected {{'role': str, 'content': str}}")
         out.append({"role": message["role"], "content": message["content"]})

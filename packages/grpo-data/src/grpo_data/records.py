@@ -57,7 +57,9 @@ class DatumSpec:
         # num_workers=2 five times slower than no workers at all.
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         fields["message_log"] = [
-            {**m, "token_ids": m["token_ids"].detach().cpu().numpy()} if isinstance(m.get("token_ids"), torch.Tensor) else m
+            {**m, "token_ids": m["token_ids"].detach().cpu().numpy()}
+            if isinstance(m.get("token_ids"), torch.Tensor)
+            else m
             for m in self.message_log
         ]
         return (_rebuild_datum, (fields,))

@@ -103,7 +103,9 @@ def read_jsonl(path: Path, bad_rows: BadRows | None = None) -> Iterator[tuple[in
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                reject(where(str(path), line_no), f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})")
+                reject(
+                    where(str(path), line_no), f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})"
+                )
                 continue
             if not line.strip():
                 continue
@@ -170,7 +172,9 @@ def read_parquet(path: Path, columns: Sequence[str]) -> Iterator[tuple[int, dict
     yield from enumerate(table.to_pylist(), start=1)
 
 
-def read_hub(name: str, subset: str | None, split: str, columns: Sequence[str], hint: str) -> Iterator[tuple[int, dict]]:
+def read_hub(
+    name: str, subset: str | None, split: str, columns: Sequence[str], hint: str
+) -> Iterator[tuple[int, dict]]:
     """Rows of a Hugging Face `datasets` dataset; failures say how to use a local copy instead."""
     import datasets
 
@@ -194,10 +198,7 @@ def is_local(data_path: str | Path) -> bool:
     """A local path (existing, absolute/relative-looking or with a data-file suffix) vs a hub name."""
     text = str(data_path)
     return (
-        Path(text).exists()
-        or text.startswith(("/", "./", "../", "~"))
-        or text.endswith(LOCAL_SUFFIXES)
-        or "*" in text
+        Path(text).exists() or text.startswith(("/", "./", "../", "~")) or text.endswith(LOCAL_SUFFIXES) or "*" in text
     )
 
 

@@ -10,7 +10,17 @@ from __future__ import annotations
 
 import string
 
-SPECIAL_TOKENS = ["<pad>", "<unk>", "<bos>", "<eos>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|nothink|>"]
+SPECIAL_TOKENS = [
+    "<pad>",
+    "<unk>",
+    "<bos>",
+    "<eos>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|end|>",
+    "<|nothink|>",
+]
 CHARS = string.digits + "+-*=" + " \n" + string.ascii_lowercase + string.ascii_uppercase + ".,:;?!'\"()#$/\\{}[]^_<>|"
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"

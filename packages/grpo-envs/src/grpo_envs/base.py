@@ -44,9 +44,7 @@ class EnvOutput:
         n = len(self.rewards)
         for name in ("observations", "terminateds", "metadata", "stop_strings"):
             if getattr(self, name) is not None and len(getattr(self, name)) != n:
-                raise ValueError(
-                    f"EnvOutput.{name} has {len(getattr(self, name))} entries but rewards has {n}"
-                )
+                raise ValueError(f"EnvOutput.{name} has {len(getattr(self, name))} entries but rewards has {n}")
 
     def __len__(self) -> int:
         return len(self.rewards)
@@ -60,7 +58,8 @@ class EnvOutput:
             terminateds=[t for p in parts for t in p.terminateds],
             metadata=[m for p in parts for m in p.metadata],
             metrics=metrics,
-            stop_strings=None if all(p.stop_strings is None for p in parts)
+            stop_strings=None
+            if all(p.stop_strings is None for p in parts)
             else [s for p in parts for s in (p.stop_strings or [None] * len(p))],
         )
 
@@ -119,9 +118,7 @@ def _as_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(
-            part.get("text", "") if isinstance(part, Mapping) else str(part) for part in content
-        )
+        return "".join(part.get("text", "") if isinstance(part, Mapping) else str(part) for part in content)
     return "" if content is None else str(content)
 
 
@@ -130,9 +127,7 @@ def count_turns(message_log: MessageLog) -> int:
     return sum(1 for m in message_log if isinstance(m, Mapping) and m.get("role") == "assistant")
 
 
-def single_turn_output(
-    rewards: list[float], metadata: list[dict], metrics: dict[str, float]
-) -> EnvOutput:
+def single_turn_output(rewards: list[float], metadata: list[dict], metrics: dict[str, float]) -> EnvOutput:
     """EnvOutput of a single-turn environment: no observations, every sample done."""
     n = len(rewards)
     return EnvOutput(

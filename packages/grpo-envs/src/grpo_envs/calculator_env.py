@@ -17,8 +17,13 @@ from grpo_envs.tool_env import Tool, ToolEnv, function_schema
 
 MAX_DIGITS = 2000
 MAX_EXPRESSION_CHARS = 4000
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
-        ast.Mod: operator.mod}
+_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+}
 
 
 def calculate(expression: str) -> str:
@@ -58,13 +63,18 @@ class CalculatorEnv(ToolEnv):
     """Reward 1 when the final answer's first integer equals ``env_info["ground_truth"]``."""
 
     def make_tools(self) -> list[Tool]:
-        schema = function_schema("calculator", "Evaluate an integer expression with + - * // % and parentheses.",
-                                 {"expression": {"type": "string", "description": "e.g. 123456789 + 987654321"}})
+        schema = function_schema(
+            "calculator",
+            "Evaluate an integer expression with + - * // % and parentheses.",
+            {"expression": {"type": "string", "description": "e.g. 123456789 + 987654321"}},
+        )
         return [Tool(schema, calculate)]
 
     def score(self, answer: str, env_info: dict) -> tuple[float, dict]:
         gold = canonical_integer(str(env_info.get("ground_truth", "")))
         if gold is None:
-            raise ValueError(f"calculator env: ground_truth must be an integer string, got {env_info.get('ground_truth')!r}")
+            raise ValueError(
+                f"calculator env: ground_truth must be an integer string, got {env_info.get('ground_truth')!r}"
+            )
         got = first_integer(answer)
         return float(got == gold), {"answer": preview(got), "ground_truth": gold, "correct": got == gold}

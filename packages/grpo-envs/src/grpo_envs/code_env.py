@@ -156,8 +156,13 @@ class CodeEnv(Environment):
     def _run_case(self, source: str, case: CodeTest, remaining_s: float | None) -> tuple[str, str | None, dict]:
         wall_s = None if remaining_s is None else min(self.limits.wall_s, remaining_s)
         if case.is_call:
-            result = run_python(source, call=(case.fn_name, list(case.args), dict(case.kwargs or {})),
-                                limits=self.limits, isolation=self.isolation, wall_s=wall_s)
+            result = run_python(
+                source,
+                call=(case.fn_name, list(case.args), dict(case.kwargs or {})),
+                limits=self.limits,
+                isolation=self.isolation,
+                wall_s=wall_s,
+            )
         else:
             result = run_python(source, stdin=case.stdin, limits=self.limits, isolation=self.isolation, wall_s=wall_s)
         if result.status == "sandbox_error":
@@ -205,8 +210,12 @@ def parse_tests(info: dict, index: int = 0) -> list[CodeTest]:
             raise ValueError(f"{where}: 'input_output' needs equally long, non-empty 'inputs' and 'outputs'")
         fn_name = spec.get("fn_name")
         if fn_name:
-            return [CodeTest(fn_name=fn_name, args=tuple(a if isinstance(a, list) else [a]), expected_value=_apps_expected(o))
-                    for a, o in zip(inputs, outputs)]
+            return [
+                CodeTest(
+                    fn_name=fn_name, args=tuple(a if isinstance(a, list) else [a]), expected_value=_apps_expected(o)
+                )
+                for a, o in zip(inputs, outputs)
+            ]
         return [CodeTest(stdin=_text(i), expected_stdout=_text(o)) for i, o in zip(inputs, outputs)]
     raise ValueError(f"{where}: env_info needs 'tests' or 'input_output', got keys {sorted(info)}")
 

@@ -40,10 +40,19 @@ class CodeInterpreterEnv(ToolEnv):
 
     COUNT_METRICS = ToolEnv.COUNT_METRICS | {f"sandbox_{s}" for s in STATUSES} | {"verify_timeouts"}
 
-    def __init__(self, limits: SandboxLimits | dict | None = None, isolation: Isolation | dict | None = None,
-                 max_output_chars: int = 1000, verify_timeout_s: float = 5.0, **tool_env) -> None:
-        self.limits = _as_dataclass(SandboxLimits, limits, "limits") if limits is not None else SandboxLimits(
-            cpu_time_s=2.0, memory_mb=256, stdout_bytes=64 << 10)
+    def __init__(
+        self,
+        limits: SandboxLimits | dict | None = None,
+        isolation: Isolation | dict | None = None,
+        max_output_chars: int = 1000,
+        verify_timeout_s: float = 5.0,
+        **tool_env,
+    ) -> None:
+        self.limits = (
+            _as_dataclass(SandboxLimits, limits, "limits")
+            if limits is not None
+            else SandboxLimits(cpu_time_s=2.0, memory_mb=256, stdout_bytes=64 << 10)
+        )
         self.isolation = _as_dataclass(Isolation, isolation, "isolation")
         if max_output_chars < 1:
             raise ValueError(f"code_interpreter env: max_output_chars must be >= 1, got {max_output_chars}")
@@ -60,8 +69,11 @@ class CodeInterpreterEnv(ToolEnv):
         self._verify_lock = threading.Lock()
 
     def make_tools(self) -> list[Tool]:
-        schema = function_schema("python", "Run a Python script; its printed output is returned.",
-                                 {"code": {"type": "string", "description": "the script; print what you need"}})
+        schema = function_schema(
+            "python",
+            "Run a Python script; its printed output is returned.",
+            {"code": {"type": "string", "description": "the script; print what you need"}},
+        )
         return [Tool(schema, self.run_code)]
 
     def run_code(self, code: str) -> str:
@@ -91,8 +103,11 @@ class CodeInterpreterEnv(ToolEnv):
         if verdict.status == "timeout":
             with self._lock:
                 self._counts["verify_timeouts"] += 1
-        return float(verdict.status == "correct"), {"answer": preview(extracted), "ground_truth": gold,
-                                                    "status": verdict.status}
+        return float(verdict.status == "correct"), {
+            "answer": preview(extracted),
+            "ground_truth": gold,
+            "status": verdict.status,
+        }
 
     def step(self, message_logs: list[list[dict]], env_infos: list[dict]) -> EnvOutput:
         out = super().step(message_logs, env_infos)
@@ -106,4 +121,3 @@ class CodeInterpreterEnv(ToolEnv):
         super().close()
         if self._verifier is not None:
             self._verifier.close()
-

@@ -63,9 +63,7 @@ class MathEnv(Environment):
                 elif status == "error":
                     log.warning("math env: sample %d: %s", i, verdict.error)
             rewards.append(1.0 if status == "correct" else 0.0)
-            metadata.append(
-                {"answer": preview(answer), "parsed": parsed, "ground_truth": gold, "status": status}
-            )
+            metadata.append({"answer": preview(answer), "parsed": parsed, "ground_truth": gold, "status": status})
         return single_turn_output(rewards, metadata, self._metrics(rewards, metadata))
 
     @staticmethod

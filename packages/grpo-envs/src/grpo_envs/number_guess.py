@@ -34,7 +34,9 @@ class NumberGuessEnv(Environment):
             # so any dataset with integer answers can drive a guessing conversation.
             target = canonical_integer(str(info.get("target", info.get("ground_truth", ""))))
             if target is None:
-                raise ValueError(f"number_guess env: sample {i}: 'target' must be an integer, got {info.get('target')!r}")
+                raise ValueError(
+                    f"number_guess env: sample {i}: 'target' must be an integer, got {info.get('target')!r}"
+                )
             max_turns = int(info.get("max_turns", self.max_turns))
             turn = count_turns(log)
             guess = first_integer(response_text(log) or "")

@@ -56,9 +56,7 @@ def failed_output(n: int, error: str) -> EnvOutput:
     )
 
 
-def step_guarded(
-    env: Environment, message_logs: list[list[dict]], env_infos: list[dict]
-) -> tuple[EnvOutput, int]:
+def step_guarded(env: Environment, message_logs: list[list[dict]], env_infos: list[dict]) -> tuple[EnvOutput, int]:
     """``env.step`` with exceptions isolated per sample; returns the output and the error count."""
     try:
         return _checked(env.step(message_logs, env_infos), len(message_logs)), 0
@@ -69,7 +67,9 @@ def step_guarded(
             return failed_output(1, text[-_ERROR_PREVIEW_CHARS:]), 1
         log.warning(
             "environment %s raised on a batch of %d; retrying sample by sample:\n%s",
-            type(env).__name__, len(message_logs), traceback.format_exc(),
+            type(env).__name__,
+            len(message_logs),
+            traceback.format_exc(),
         )
     parts, errors = [], 0
     for log_, info in zip(message_logs, env_infos, strict=True):
@@ -185,9 +185,7 @@ class EnvPool:
     def step(self, message_logs: list[list[dict]], env_infos: list[dict]) -> EnvOutput:
         """Score a batch; the output is in the order of the input."""
         if len(message_logs) != len(env_infos):
-            raise ValueError(
-                f"EnvPool.step: {len(message_logs)} message logs but {len(env_infos)} env_infos"
-            )
+            raise ValueError(f"EnvPool.step: {len(message_logs)} message logs but {len(env_infos)} env_infos")
         if self.in_process:
             out, errors = step_guarded(self._env, message_logs, env_infos)
             out.metrics.update({RESTARTS: 0.0, CRASHED_SAMPLES: 0.0, SAMPLE_ERRORS: float(errors), STEP_TIMEOUTS: 0.0})
@@ -330,7 +328,9 @@ class EnvPool:
         self._restart(worker)
         if chunk.singles:  # a single sample killed a fresh worker: it is the culprit
             chunk.singles.pop(0)
-            chunk.outputs[start] = failed_output(1, f"environment worker crashed on this sample: {reason}"[:_ERROR_PREVIEW_CHARS])
+            chunk.outputs[start] = failed_output(
+                1, f"environment worker crashed on this sample: {reason}"[:_ERROR_PREVIEW_CHARS]
+            )
             counts[CRASHED_SAMPLES] += 1
             return
         chunk.attempts += 1

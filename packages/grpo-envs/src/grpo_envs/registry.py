@@ -34,8 +34,7 @@ def register(name: str, cls: type[Environment] | str, *, overwrite: bool = False
         raise TypeError(f"register({name!r}, ...): expected an Environment subclass, got {cls!r}")
     if name in _REGISTRY and not overwrite and _REGISTRY[name] != cls:
         raise ValueError(
-            f"environment {name!r} is already registered ({_REGISTRY[name]!r}); "
-            "pass overwrite=True to replace it"
+            f"environment {name!r} is already registered ({_REGISTRY[name]!r}); pass overwrite=True to replace it"
         )
     _REGISTRY[name] = cls
 
@@ -45,9 +44,7 @@ def get(name: str) -> type[Environment]:
     try:
         entry = _REGISTRY[name]
     except KeyError:
-        raise KeyError(
-            f"unknown environment {name!r}; registered: {', '.join(sorted(_REGISTRY))}"
-        ) from None
+        raise KeyError(f"unknown environment {name!r}; registered: {', '.join(sorted(_REGISTRY))}") from None
     if isinstance(entry, str):
         module_name, _, attr = entry.partition(":")
         entry = getattr(importlib.import_module(module_name), attr)

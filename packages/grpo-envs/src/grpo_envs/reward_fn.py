@@ -55,7 +55,9 @@ class RewardFnEnv(Environment):
         self.arity = reward_fn_arity(self.fn, reward_fn)
 
     def step(self, message_logs: list[MessageLog], env_infos: list[dict]) -> EnvOutput:
-        rewards = [self._score(response_text(log) or "", info) for log, info in zip(message_logs, env_infos, strict=True)]
+        rewards = [
+            self._score(response_text(log) or "", info) for log, info in zip(message_logs, env_infos, strict=True)
+        ]
         return single_turn_output(rewards, [{} for _ in rewards], {CALLS: float(len(rewards))})
 
     def _score(self, text: str, info: dict) -> float:

@@ -50,15 +50,21 @@ class RewardModelEnv(Environment):
     ) -> None:
         torch, transformers = _import_backend()
         if batch_size < 1 or max_length < 1:
-            raise ValueError(f"reward_model env: batch_size and max_length must be >= 1, got {batch_size}, {max_length}")
+            raise ValueError(
+                f"reward_model env: batch_size and max_length must be >= 1, got {batch_size}, {max_length}"
+            )
         self._torch = torch
-        self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device)
+        self.device = torch.device(
+            "cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device
+        )
         if dtype == "auto":
             torch_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         else:
             torch_dtype = getattr(torch, dtype)
         try:
-            self.tokenizer = transformers.AutoTokenizer.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
+            self.tokenizer = transformers.AutoTokenizer.from_pretrained(
+                model_name_or_path, trust_remote_code=trust_remote_code
+            )
             self.model = transformers.AutoModelForSequenceClassification.from_pretrained(
                 model_name_or_path, dtype=torch_dtype, trust_remote_code=trust_remote_code
             )
@@ -104,7 +110,9 @@ class RewardModelEnv(Environment):
         torch = self._torch
         batch = self.tokenizer.pad({"input_ids": input_ids}, return_tensors="pt").to(self.device)
         with torch.inference_mode():
-            logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # [b, labels]
+            logits = self.model(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+            ).logits  # [b, labels]
         return logits[:, self.score_index].float().cpu().tolist()
 
     def close(self) -> None:

@@ -60,7 +60,7 @@ def parse_llama3(text: str) -> list[Parsed]:
     """Calls of a Llama 3 JSON tool turn; plain prose (no JSON object at the start) is no call."""
     body = text.strip()
     if body.startswith(LLAMA3_PYTHON_TAG):
-        body = body[len(LLAMA3_PYTHON_TAG):].strip()
+        body = body[len(LLAMA3_PYTHON_TAG) :].strip()
     elif not body.startswith("{"):
         return []
     return [_from_json(part.strip()) for part in _split_top_level(body, ";") if part.strip()]
@@ -83,7 +83,8 @@ def check_calls(calls: Iterable[Parsed], tool_names: Iterable[str]) -> list[Pars
     known = set(tool_names)
     return [
         ToolCallError("unknown_tool", f"unknown tool {c.name!r}; available: {sorted(known)}", name=c.name)
-        if isinstance(c, ToolCall) and c.name not in known else c
+        if isinstance(c, ToolCall) and c.name not in known
+        else c
         for c in calls
     ]
 

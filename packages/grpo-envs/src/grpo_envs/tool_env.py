@@ -48,10 +48,14 @@ class Tool:
 
 def function_schema(name: str, description: str, properties: dict, required: list[str] | None = None) -> dict:
     """An OpenAI-style function tool schema."""
-    return {"type": "function", "function": {
-        "name": name, "description": description,
-        "parameters": {"type": "object", "properties": properties, "required": list(required or properties)},
-    }}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {"type": "object", "properties": properties, "required": list(required or properties)},
+        },
+    }
 
 
 class ToolEnv(Environment):
@@ -71,17 +75,31 @@ class ToolEnv(Environment):
         max_workers: threads that run tool calls.
     """
 
-    COUNT_METRICS: ClassVar[frozenset[str]] = frozenset({
-        "tool_calls", "tool_errors", "invalid_tool_calls", "tool_timeouts", "tool_time_s", "answered",
-        "out_of_turns"})
+    COUNT_METRICS: ClassVar[frozenset[str]] = frozenset(
+        {"tool_calls", "tool_errors", "invalid_tool_calls", "tool_timeouts", "tool_time_s", "answered", "out_of_turns"}
+    )
 
-    def __init__(self, call_format: str = "hermes", max_turns: int = 4, max_calls_per_turn: int = 4,
-                 tool_timeout_s: float = 10.0, max_result_chars: int = 2000, invalid_call_penalty: float = 0.0,
-                 stop_after_call: bool = False, max_workers: int = 8) -> None:
+    def __init__(
+        self,
+        call_format: str = "hermes",
+        max_turns: int = 4,
+        max_calls_per_turn: int = 4,
+        tool_timeout_s: float = 10.0,
+        max_result_chars: int = 2000,
+        invalid_call_penalty: float = 0.0,
+        stop_after_call: bool = False,
+        max_workers: int = 8,
+    ) -> None:
         if call_format not in PARSERS:
-            raise ValueError(f"{type(self).__name__}: call_format must be one of {sorted(PARSERS)}, got {call_format!r}")
-        for key, value in (("max_turns", max_turns), ("max_calls_per_turn", max_calls_per_turn),
-                           ("max_result_chars", max_result_chars), ("max_workers", max_workers)):
+            raise ValueError(
+                f"{type(self).__name__}: call_format must be one of {sorted(PARSERS)}, got {call_format!r}"
+            )
+        for key, value in (
+            ("max_turns", max_turns),
+            ("max_calls_per_turn", max_calls_per_turn),
+            ("max_result_chars", max_result_chars),
+            ("max_workers", max_workers),
+        ):
             if value < 1:
                 raise ValueError(f"{type(self).__name__}: {key} must be >= 1, got {value}")
         if tool_timeout_s <= 0 or invalid_call_penalty < 0:
@@ -118,8 +136,13 @@ class ToolEnv(Environment):
         metrics["calls_per_turn"] = metrics["tool_calls"] / n
         stops = CALL_STOP_STRINGS[self.call_format] if self.stop_after_call else None
         return EnvOutput(
-            rewards=[o[0] for o in outs], observations=[o[1] for o in outs], terminateds=[o[2] for o in outs],
-            metadata=metas, metrics=metrics, stop_strings=[None if o[2] else stops for o in outs])
+            rewards=[o[0] for o in outs],
+            observations=[o[1] for o in outs],
+            terminateds=[o[2] for o in outs],
+            metadata=metas,
+            metrics=metrics,
+            stop_strings=[None if o[2] else stops for o in outs],
+        )
 
     def _step_one(self, log: list[dict], info: dict) -> tuple[float, list[dict] | None, bool, dict]:
         text = response_text(log) or ""
@@ -135,12 +158,24 @@ class ToolEnv(Environment):
         return -self.invalid_call_penalty * meta["invalid_tool_calls"], messages, False, meta
 
     def _run_calls(self, calls: list) -> tuple[list[dict], dict]:
-        meta = {"tool_calls": len(calls), "tool_errors": 0, "invalid_tool_calls": 0, "tool_timeouts": 0,
-                "tool_time_s": 0.0, "calls": []}
-        calls = [c if k < self.max_calls_per_turn else
-                 ToolCallError("too_many_calls", f"at most {self.max_calls_per_turn} tool calls per turn",
-                               name=getattr(c, "name", None))
-                 for k, c in enumerate(calls)]
+        meta = {
+            "tool_calls": len(calls),
+            "tool_errors": 0,
+            "invalid_tool_calls": 0,
+            "tool_timeouts": 0,
+            "tool_time_s": 0.0,
+            "calls": [],
+        }
+        calls = [
+            c
+            if k < self.max_calls_per_turn
+            else ToolCallError(
+                "too_many_calls",
+                f"at most {self.max_calls_per_turn} tool calls per turn",
+                name=getattr(c, "name", None),
+            )
+            for k, c in enumerate(calls)
+        ]
         start = time.perf_counter()
         futures = [self._pool.submit(self._call, c) if isinstance(c, ToolCall) else None for c in calls]
         messages = []
@@ -158,8 +193,13 @@ class ToolEnv(Environment):
                     meta["tool_timeouts"] += 1
                     content = f"error: tool {call.name!r} timed out after {self.tool_timeout_s:g} s"
             meta["tool_errors"] += content.startswith("error:")
-            messages.append({"role": TOOL_ROLE, "name": getattr(call, "name", None) or "error",
-                             "content": truncate(content, self.max_result_chars)})
+            messages.append(
+                {
+                    "role": TOOL_ROLE,
+                    "name": getattr(call, "name", None) or "error",
+                    "content": truncate(content, self.max_result_chars),
+                }
+            )
         meta["tool_time_s"] = time.perf_counter() - start
         return messages, meta
 

@@ -128,8 +128,18 @@ class _Template(_WorkerProcess):
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs:
             self.proc = subprocess.Popen(
-                [sys.executable, "-u", str(_WORKER_SCRIPT), str(memory_limit_bytes), "--template", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True,
+                [
+                    sys.executable,
+                    "-u",
+                    str(_WORKER_SCRIPT),
+                    str(memory_limit_bytes),
+                    "--template",
+                    str(theirs.fileno()),
+                ],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                start_new_session=True,
             )
 
     def wait_ready(self, timeout_s: float) -> None:

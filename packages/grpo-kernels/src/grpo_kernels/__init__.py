@@ -23,8 +23,14 @@ _PACKING_EXPORTS = {
     "unpack_padded": "grpo_kernels.pack_tensors",
 }
 
-__all__ = ["PGLossConfig", "clipped_pg_loss", "linear_token_logprobs", "token_logprobs",
-           "vocab_parallel_token_logprobs", *_PACKING_EXPORTS]
+__all__ = [
+    "PGLossConfig",
+    "clipped_pg_loss",
+    "linear_token_logprobs",
+    "token_logprobs",
+    "vocab_parallel_token_logprobs",
+    *_PACKING_EXPORTS,
+]
 
 
 def __getattr__(name: str):

@@ -235,7 +235,9 @@ def _check_logprob_args(logits: torch.Tensor, targets: torch.Tensor) -> None:
     import torch
 
     if logits.dim() < 2 or not logits.is_floating_point():
-        raise ValueError(f"logits: expected floating-point [T, V] or [B, S, V], got {logits.dtype} {tuple(logits.shape)}")
+        raise ValueError(
+            f"logits: expected floating-point [T, V] or [B, S, V], got {logits.dtype} {tuple(logits.shape)}"
+        )
     n_rows = logits.numel() // logits.shape[-1] if logits.shape[-1] else 0
     if targets.dim() != 1 or targets.dtype != torch.int64 or targets.numel() != n_rows:
         raise ValueError(f"targets: expected int64 [{n_rows}], got {targets.dtype} {tuple(targets.shape)}")
@@ -287,9 +289,19 @@ def _logprobs_fwd_cuda(logits, targets, temperature, ignore_index, return_entrop
     view, stride_outer, stride_inner, n_inner = _rows_layout(logits)
     with torch.cuda.device(logits.device):
         require_extension().token_logprobs_fwd_cuda(
-            _dtype_name(logits), view.data_ptr(), stride_outer, stride_inner, n_inner,
-            targets.contiguous().data_ptr(), n_rows, n_cols, temperature, ignore_index,
-            logprobs.data_ptr(), entropy.data_ptr() if return_entropy else 0, lse.data_ptr(),
+            _dtype_name(logits),
+            view.data_ptr(),
+            stride_outer,
+            stride_inner,
+            n_inner,
+            targets.contiguous().data_ptr(),
+            n_rows,
+            n_cols,
+            temperature,
+            ignore_index,
+            logprobs.data_ptr(),
+            entropy.data_ptr() if return_entropy else 0,
+            lse.data_ptr(),
             _current_stream(logits.device),
         )
     return logprobs, entropy, lse
@@ -315,9 +327,20 @@ def _logprobs_bwd_cuda(logits, targets, lse, entropy, grad_logprobs, grad_entrop
     rows = [None if t is None else t.to(lse.dtype).contiguous() for t in (entropy, grad_logprobs, grad_entropy)]
     with torch.cuda.device(logits.device):
         require_extension().token_logprobs_bwd_cuda(
-            _dtype_name(logits), view.data_ptr(), stride_outer, stride_inner, n_inner,
-            targets.contiguous().data_ptr(), lse.contiguous().data_ptr(), *(0 if t is None else t.data_ptr() for t in rows),
-            grad_logits.data_ptr(), n_rows, n_cols, temperature, ignore_index, _current_stream(logits.device),
+            _dtype_name(logits),
+            view.data_ptr(),
+            stride_outer,
+            stride_inner,
+            n_inner,
+            targets.contiguous().data_ptr(),
+            lse.contiguous().data_ptr(),
+            *(0 if t is None else t.data_ptr() for t in rows),
+            grad_logits.data_ptr(),
+            n_rows,
+            n_cols,
+            temperature,
+            ignore_index,
+            _current_stream(logits.device),
         )
     return grad_logits
 
@@ -339,9 +362,10 @@ def _define_logprob_ops() -> Any:
     import torch
 
     @torch.library.custom_op(
-        TOKEN_LOGPROBS_OP, mutates_args=(),
+        TOKEN_LOGPROBS_OP,
+        mutates_args=(),
         schema="(Tensor logits, Tensor targets, float temperature, int ignore_index, bool return_entropy)"
-               " -> (Tensor, Tensor, Tensor)",
+        " -> (Tensor, Tensor, Tensor)",
     )
     def forward_op(logits, targets, temperature, ignore_index, return_entropy):
         _check_logprob_args(logits, targets)
@@ -361,8 +385,11 @@ def _define_logprob_ops() -> Any:
 
         n_rows = targets.shape[0]
         out = dict(dtype=work_dtype(logits.dtype))
-        return logits.new_empty(n_rows, **out), logits.new_empty(n_rows if return_entropy else 0, **out), \
-            logits.new_empty(n_rows, **out)
+        return (
+            logits.new_empty(n_rows, **out),
+            logits.new_empty(n_rows if return_entropy else 0, **out),
+            logits.new_empty(n_rows, **out),
+        )
 
     backward_op = _define_logprobs_backward_op()
 
@@ -390,16 +417,19 @@ def _define_logprobs_backward_op() -> Any:
     import torch
 
     @torch.library.custom_op(
-        TOKEN_LOGPROBS_BACKWARD_OP, mutates_args=(),
+        TOKEN_LOGPROBS_BACKWARD_OP,
+        mutates_args=(),
         schema="(Tensor logits, Tensor targets, Tensor lse, Tensor? entropy, Tensor? grad_logprobs,"
-               " Tensor? grad_entropy, float temperature, int ignore_index) -> Tensor",
+        " Tensor? grad_entropy, float temperature, int ignore_index) -> Tensor",
     )
     def backward_op(logits, targets, lse, entropy, grad_logprobs, grad_entropy, temperature, ignore_index):
         """-> d(loss)/d(logits), contiguous, with the logits' shape and dtype."""
         _check_logprob_args(logits, targets)
         if grad_entropy is not None and entropy is None:
             raise ValueError("entropy: the entropy gradient needs the forward's entropy")
-        return _logprobs_bwd_torch(logits, targets, lse, entropy, grad_logprobs, grad_entropy, temperature, ignore_index)
+        return _logprobs_bwd_torch(
+            logits, targets, lse, entropy, grad_logprobs, grad_entropy, temperature, ignore_index
+        )
 
     @backward_op.register_kernel("cuda")
     def _backward_cuda(logits, targets, lse, entropy, grad_logprobs, grad_entropy, temperature, ignore_index):
@@ -430,7 +460,9 @@ def token_logprobs(
     unused: the kernels stream V one row at a time and hold no [rows, V] block."""
     from grpo_kernels import reference as R
 
-    targets, temperature, _ = R.check_logits_inputs(logits, target_ids, temperature, ignore_index, chunk_size, cu_seqlens)
+    targets, temperature, _ = R.check_logits_inputs(
+        logits, target_ids, temperature, ignore_index, chunk_size, cu_seqlens
+    )
     out_shape = targets.shape if cu_seqlens is not None else target_ids.shape
     op = register_logprob_ops()
     logprobs, entropy, _ = op(logits, targets.contiguous(), temperature, int(ignore_index), return_entropy)

@@ -55,8 +55,9 @@ def _pick(op: str, triton_module: str, tensor, why_not: str | None = None, fallb
             else:
                 logger.debug("grpo_kernels.%s -> triton", op)
                 return impl
-    logger.debug("grpo_kernels.%s -> %s (%s)", op, "reference" if fallback == "grpo_kernels.reference" else "torch op",
-                 why_not)
+    logger.debug(
+        "grpo_kernels.%s -> %s (%s)", op, "reference" if fallback == "grpo_kernels.reference" else "torch op", why_not
+    )
     return getattr(importlib.import_module(fallback), op)
 
 
@@ -122,8 +123,12 @@ def linear_token_logprobs(
 def pick_vocab_parallel_token_logprobs(logits):
     """-> the implementation `vocab_parallel_token_logprobs` uses for these logits: Triton's
     (`ops.vocab_parallel`) on CUDA tensors when triton imports, else the torch op."""
-    return _pick("vocab_parallel_token_logprobs", "grpo_kernels.ops.vocab_parallel", logits,
-                 fallback="grpo_kernels.vocab_parallel")
+    return _pick(
+        "vocab_parallel_token_logprobs",
+        "grpo_kernels.ops.vocab_parallel",
+        logits,
+        fallback="grpo_kernels.vocab_parallel",
+    )
 
 
 def vocab_parallel_token_logprobs(
@@ -164,6 +169,15 @@ def clipped_pg_loss(
         why_not = "positive_example_nll_weight"
     impl = _pick("clipped_pg_loss", "grpo_kernels.ops.pg_loss", curr, why_not)
     return impl(
-        curr, prev, gen, ref, advantages, token_mask, sample_mask, config,
-        global_valid_tokens, global_valid_seqs, cu_seqlens,
+        curr,
+        prev,
+        gen,
+        ref,
+        advantages,
+        token_mask,
+        sample_mask,
+        config,
+        global_valid_tokens,
+        global_valid_seqs,
+        cu_seqlens,
     )

@@ -126,14 +126,20 @@ class PGLossConfig:
         if agg is None:
             agg = "token-mean" if tok is None or tok else "seq-mean-token-mean"
         if tok is not None and tok != (agg == "token-mean"):
-            refuse("loss_aggregation", f"contradicts token_level_loss={tok} (True means token-mean, "
-                   "False seq-mean-token-mean); set only one of the two")
+            refuse(
+                "loss_aggregation",
+                f"contradicts token_level_loss={tok} (True means token-mean, "
+                "False seq-mean-token-mean); set only one of the two",
+            )
         object.__setattr__(self, "loss_aggregation", agg)
         object.__setattr__(self, "token_level_loss", agg == "token-mean")
         if agg == "seq-mean-token-sum-norm":
             if self.loss_scale_factor is None or not self.loss_scale_factor > 0:
-                refuse("loss_scale_factor", "seq-mean-token-sum-norm divides by this constant length "
-                       "(Dr.GRPO): expected a number > 0, e.g. the maximum response length")
+                refuse(
+                    "loss_scale_factor",
+                    "seq-mean-token-sum-norm divides by this constant length "
+                    "(Dr.GRPO): expected a number > 0, e.g. the maximum response length",
+                )
         elif self.loss_scale_factor is not None:
             refuse("loss_scale_factor", "only loss_aggregation seq-mean-token-sum-norm uses it")
 
@@ -143,17 +149,25 @@ class PGLossConfig:
                 if getattr(self, other):
                     refuse("force_on_policy_ratio", f"replaces the ratio, and so does {other}; choose one")
             if self.ratio_clip_c is not None:
-                refuse("force_on_policy_ratio", "the ratio is 1, so the dual clip ratio_clip_c never binds; "
-                       "set ratio_clip_c to null")
+                refuse(
+                    "force_on_policy_ratio",
+                    "the ratio is 1, so the dual clip ratio_clip_c never binds; set ratio_clip_c to null",
+                )
         if self.use_cispo:
             if self.disable_ppo_ratio:
                 refuse("use_cispo", "CISPO clips the importance ratio; disable_ppo_ratio has none")
             if self.sequence_level_importance_ratios:
-                refuse("use_cispo", "CISPO clips token-level ratios; GSPO (sequence_level_importance_ratios) "
-                       "replaces them by one per sequence (NeMo RL refuses this pair too)")
+                refuse(
+                    "use_cispo",
+                    "CISPO clips token-level ratios; GSPO (sequence_level_importance_ratios) "
+                    "replaces them by one per sequence (NeMo RL refuses this pair too)",
+                )
             if self.ratio_clip_c is not None:
-                refuse("use_cispo", "the dual clip bounds -A*r, but CISPO's term is -A*sg(r_c)*curr: "
-                       "undefined together; set ratio_clip_c to null")
+                refuse(
+                    "use_cispo",
+                    "the dual clip bounds -A*r, but CISPO's term is -A*sg(r_c)*curr: "
+                    "undefined together; set ratio_clip_c to null",
+                )
 
     def _check_truncation(self, refuse) -> None:
         kind = self.truncated_importance_sampling_type

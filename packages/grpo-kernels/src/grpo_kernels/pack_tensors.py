@@ -70,7 +70,9 @@ class PackedBatch:
 # ------------------------------------------------------------------------------------------
 # Triton kernels (jitted lazily) and their host launchers
 # ------------------------------------------------------------------------------------------
-def _gather_rows_kernel(src_ptr, index_ptr, out_ptr, n_rows, row_size, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+def _gather_rows_kernel(
+    src_ptr, index_ptr, out_ptr, n_rows, row_size, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr
+):
     # out[r, :] = src[index[r], :] for a BLOCK_ROWS x BLOCK_COLS tile.
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
@@ -81,7 +83,9 @@ def _gather_rows_kernel(src_ptr, index_ptr, out_ptr, n_rows, row_size, BLOCK_ROW
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * row_size + cols[None, :], values, mask=mask)
 
 
-def _scatter_rows_kernel(src_ptr, index_ptr, out_ptr, n_rows, row_size, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+def _scatter_rows_kernel(
+    src_ptr, index_ptr, out_ptr, n_rows, row_size, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr
+):
     # out[index[r], :] = src[r, :] for a BLOCK_ROWS x BLOCK_COLS tile (index has no repeats).
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
@@ -299,7 +303,9 @@ def pack_padded(padded: torch.Tensor, lengths: Sequence[int] | torch.Tensor) -> 
     )
 
 
-def unpack_padded(flat: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int | None = None, pad_value: float = 0) -> torch.Tensor:
+def unpack_padded(
+    flat: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int | None = None, pad_value: float = 0
+) -> torch.Tensor:
     """Packed flat [T, ...] -> right-padded [B, max_len, ...] filled with pad_value past each
     sequence's end. max_len defaults to the longest sequence. Differentiable in `flat`."""
     if flat.dim() < 1:
@@ -313,5 +319,7 @@ def unpack_padded(flat: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int | N
     total, batch = int(flat.shape[0]), len(lens)
     position_ids = _ext.position_ids_from_cu_seqlens(cu_seqlens.to(flat.device), total)
     rows = flat.reshape(total, math.prod(flat.shape[1:]))
-    padded_rows = UnpackPaddedFunction.apply(rows, _padded_rows(lens, max_len, position_ids), batch * max_len, pad_value)
+    padded_rows = UnpackPaddedFunction.apply(
+        rows, _padded_rows(lens, max_len, position_ids), batch * max_len, pad_value
+    )
     return padded_rows.reshape(batch, max_len, *flat.shape[1:])

@@ -399,7 +399,9 @@ def split_bins_for_ranks(
     for b, bin_ in enumerate(bins):
         for item in bin_:
             if isinstance(item, bool) or not isinstance(item, (int, np.integer)) or not 0 <= item < len(lens_list):
-                raise ValueError(f"bins[{b}] holds {item!r}, which is not an index into lengths (0..{len(lens_list) - 1})")
+                raise ValueError(
+                    f"bins[{b}] holds {item!r}, which is not an index into lengths (0..{len(lens_list) - 1})"
+                )
             if item in seen:
                 raise ValueError(f"item {item} appears in bins[{seen[item]}] and bins[{b}]")
             if lens_list[item] < 0:

@@ -50,8 +50,12 @@ def check_temperature(temperature: float) -> float:
 
 
 def check_targets(
-    target_ids: torch.Tensor, leading: torch.Size, n_classes: int, device: torch.device,
-    ignore_index: int, what: str,
+    target_ids: torch.Tensor,
+    leading: torch.Size,
+    n_classes: int,
+    device: torch.device,
+    ignore_index: int,
+    what: str,
 ) -> torch.Tensor:
     """Flat int64 targets [T]; every id is in [0, n_classes) or equal to ignore_index."""
     if not isinstance(target_ids, torch.Tensor):
@@ -63,8 +67,7 @@ def check_targets(
     n_rows = math.prod(leading)
     if tuple(target_ids.shape) != tuple(leading) and tuple(target_ids.shape) != (n_rows,):
         raise ValueError(
-            f"target_ids: shape {tuple(target_ids.shape)} does not match {what}'s leading "
-            f"dims {tuple(leading)}"
+            f"target_ids: shape {tuple(target_ids.shape)} does not match {what}'s leading dims {tuple(leading)}"
         )
     flat = target_ids.reshape(n_rows).to(torch.int64)
     if n_rows:
@@ -72,8 +75,7 @@ def check_targets(
         if bool(bad.any()):
             first = int(flat[bad][0])
             raise ValueError(
-                f"target_ids: id {first} is out of range [0, {n_classes}) and is not "
-                f"ignore_index={ignore_index}"
+                f"target_ids: id {first} is out of range [0, {n_classes}) and is not ignore_index={ignore_index}"
             )
     return flat
 
@@ -112,7 +114,7 @@ def shift_targets_packed(
         targets[:-1] = input_ids[1:]
     ends = cu[1:][cu[1:] > cu[:-1]] - 1  # last position of every non-empty sequence
     targets[ends] = ignore_index
-    targets[int(cu[-1]):] = ignore_index
+    targets[int(cu[-1]) :] = ignore_index
     return targets
 
 
@@ -137,9 +139,14 @@ def _chunk_forward(z: torch.Tensor, targets: torch.Tensor, ignore_index: int, wa
 
 
 def _chunk_grad(
-    z: torch.Tensor, targets: torch.Tensor, ignore_index: int, lse: torch.Tensor,
-    entropy: torch.Tensor | None, grad_logprob: torch.Tensor | None,
-    grad_entropy: torch.Tensor | None, temperature: float,
+    z: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    grad_logprob: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    temperature: float,
 ) -> torch.Tensor:
     """d(loss)/d(logits) of one chunk, [C, V] in z's dtype. z is consumed.
 
@@ -181,8 +188,9 @@ def logits_chunk_forward(logits, targets, temperature, ignore_index, want_entrop
     return _chunk_forward(z, targets, ignore_index, want_entropy)
 
 
-def logits_chunk_grad(logits, targets, lse, entropy, grad_logprob, grad_entropy, temperature,
-                      ignore_index, owned=False):
+def logits_chunk_grad(
+    logits, targets, lse, entropy, grad_logprob, grad_entropy, temperature, ignore_index, owned=False
+):
     """Per-chunk work of the backward: -> d(loss)/d(logits) [C, V] in logits' dtype."""
     wd = work_dtype(logits.dtype)
     z = logits.div_(temperature) if owned and logits.dtype == wd else logits.to(wd) / temperature
@@ -198,8 +206,9 @@ def _rows(t: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
     return None if t is None else t[start:stop]
 
 
-def _chunked_forward(logits_of, n_rows, targets, temperature, ignore_index, chunk_rows,
-                     want_entropy, chunk_forward, dtype, device, owned):
+def _chunked_forward(
+    logits_of, n_rows, targets, temperature, ignore_index, chunk_rows, want_entropy, chunk_forward, dtype, device, owned
+):
     """Run chunk_forward on logits_of(start, stop) for every chunk of rows -> logprob, entropy
     or None, lse, each [T] of the work dtype."""
     wd = work_dtype(dtype)
@@ -220,8 +229,17 @@ def _chunked_forward(logits_of, n_rows, targets, temperature, ignore_index, chun
 
 def _logprobs_forward(logits, targets, temperature, ignore_index, chunk_rows, want_entropy):
     return _chunked_forward(
-        lambda a, b: logits[a:b], logits.shape[0], targets, temperature, ignore_index, chunk_rows,
-        want_entropy, logits_chunk_forward, logits.dtype, logits.device, owned=False,
+        lambda a, b: logits[a:b],
+        logits.shape[0],
+        targets,
+        temperature,
+        ignore_index,
+        chunk_rows,
+        want_entropy,
+        logits_chunk_forward,
+        logits.dtype,
+        logits.device,
+        owned=False,
     )
 
 
@@ -230,9 +248,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, temperature, ignore_index, chunk_rows, want_entropy):
-        logprob, entropy, lse = _logprobs_forward(
-            logits, targets, temperature, ignore_index, chunk_rows, want_entropy
-        )
+        logprob, entropy, lse = _logprobs_forward(logits, targets, temperature, ignore_index, chunk_rows, want_entropy)
         ctx.save_for_backward(logits, targets, lse, entropy)
         ctx.args = (temperature, ignore_index, chunk_rows)
         ctx.set_materialize_grads(False)
@@ -247,8 +263,14 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         for start in range(0, logits.shape[0], chunk_rows):
             stop = min(start + chunk_rows, logits.shape[0])
             grad_logits[start:stop] = logits_chunk_grad(
-                logits[start:stop], targets[start:stop], lse[start:stop], _rows(entropy, start, stop),
-                _rows(grad_logprob, start, stop), _rows(grad_entropy, start, stop), temperature, ignore_index,
+                logits[start:stop],
+                targets[start:stop],
+                lse[start:stop],
+                _rows(entropy, start, stop),
+                _rows(grad_logprob, start, stop),
+                _rows(grad_entropy, start, stop),
+                temperature,
+                ignore_index,
             )
         return grad_logits, None, None, None, None, None
 
@@ -300,9 +322,7 @@ def token_logprobs(
     logits2d = logits.reshape(-1, logits.shape[-1])
     out_shape = targets.shape if cu_seqlens is not None else target_ids.shape
     if torch.is_grad_enabled() and logits2d.requires_grad:
-        out = _ChunkedTokenLogprobs.apply(
-            logits2d, targets, temperature, ignore_index, chunk_rows, return_entropy
-        )
+        out = _ChunkedTokenLogprobs.apply(logits2d, targets, temperature, ignore_index, chunk_rows, return_entropy)
         logprob, entropy = out if return_entropy else (out, None)
     else:
         with torch.no_grad():
@@ -317,11 +337,21 @@ def token_logprobs(
 # ----------------------------------------------------------------------------------------------
 # linear_token_logprobs: hidden [T, H] @ weight[V, H].T fused with the above, chunked over rows
 # ----------------------------------------------------------------------------------------------
-def _linear_forward(hidden, weight, targets, temperature, ignore_index, chunk_rows, want_entropy,
-                    chunk_kernels=REFERENCE_CHUNK_KERNELS):
+def _linear_forward(
+    hidden, weight, targets, temperature, ignore_index, chunk_rows, want_entropy, chunk_kernels=REFERENCE_CHUNK_KERNELS
+):
     return _chunked_forward(
-        lambda a, b: hidden[a:b] @ weight.t(), hidden.shape[0], targets, temperature, ignore_index,
-        chunk_rows, want_entropy, chunk_kernels[0], hidden.dtype, hidden.device, owned=True,
+        lambda a, b: hidden[a:b] @ weight.t(),
+        hidden.shape[0],
+        targets,
+        temperature,
+        ignore_index,
+        chunk_rows,
+        want_entropy,
+        chunk_kernels[0],
+        hidden.dtype,
+        hidden.device,
+        owned=True,
     )
 
 
@@ -354,9 +384,15 @@ class _ChunkedLinearTokenLogprobs(torch.autograd.Function):
             stop = min(start + chunk_rows, hidden.shape[0])
             h = hidden[start:stop]
             grad_logits = chunk_grad(
-                h @ weight.t(), targets[start:stop], lse[start:stop], _rows(entropy, start, stop),
-                _rows(grad_logprob, start, stop), _rows(grad_entropy, start, stop), temperature,
-                ignore_index, owned=True,
+                h @ weight.t(),
+                targets[start:stop],
+                lse[start:stop],
+                _rows(entropy, start, stop),
+                _rows(grad_logprob, start, stop),
+                _rows(grad_entropy, start, stop),
+                temperature,
+                ignore_index,
+                owned=True,
             )  # [C, V], hidden's dtype
             if need_x:
                 torch.matmul(grad_logits, weight, out=grad_hidden[start:stop])
@@ -381,9 +417,7 @@ def check_linear_inputs(hidden, weight, target_ids, temperature, ignore_index, c
     if weight.device != hidden.device:
         raise ValueError(f"weight: on {weight.device}, but hidden is on {hidden.device}")
     if weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(
-            f"weight: shape {tuple(weight.shape)} does not match hidden size {hidden.shape[-1]}"
-        )
+        raise ValueError(f"weight: shape {tuple(weight.shape)} does not match hidden size {hidden.shape[-1]}")
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size!r}: expected a positive number of rows")
     if not isinstance(target_ids, torch.Tensor):
@@ -435,8 +469,9 @@ def linear_token_logprobs(
 # ----------------------------------------------------------------------------------------------
 # vocab_parallel_token_logprobs' twin: gather the shards, then the unsharded op
 # ----------------------------------------------------------------------------------------------
-def vocab_parallel_token_logprobs(logits, target_ids, group=None, temperature=1.0, return_entropy=False,
-                                  ignore_index=IGNORE_INDEX, cu_seqlens=None):
+def vocab_parallel_token_logprobs(
+    logits, target_ids, group=None, temperature=1.0, return_entropy=False, ignore_index=IGNORE_INDEX, cu_seqlens=None
+):
     """The oracle of `grpo_kernels.vocab_parallel`: all-gather every rank's shard [.., V/tp] into
     the full logits (this rank's slice stays in the autograd graph, the others are constants:
     every rank computes the same loss, so its shard's gradient is its slice of the full one)
@@ -446,8 +481,9 @@ def vocab_parallel_token_logprobs(logits, target_ids, group=None, temperature=1.
     shards = [torch.empty_like(logits) for _ in range(dist.get_world_size(group))]
     dist.all_gather(shards, logits.detach().contiguous(), group=group)
     shards[dist.get_rank(group)] = logits
-    return token_logprobs(torch.cat(shards, dim=-1), target_ids, temperature, return_entropy, ignore_index,
-                          cu_seqlens=cu_seqlens)
+    return token_logprobs(
+        torch.cat(shards, dim=-1), target_ids, temperature, return_entropy, ignore_index, cu_seqlens=cu_seqlens
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -563,9 +599,7 @@ def clipped_pg_loss(
     the returned loss (and the mean-type metrics) over micro-batches and ranks gives the global
     value. Metrics are detached 0-dim float32 tensors.
     """
-    n_seqs, cu = check_pg_inputs(
-        curr, prev, gen, ref, advantages, token_mask, sample_mask, config, cu_seqlens
-    )
+    n_seqs, cu = check_pg_inputs(curr, prev, gen, ref, advantages, token_mask, sample_mask, config, cu_seqlens)
     seq_id, valid = token_layout(curr, token_mask, sample_mask, n_seqs, cu)
     cfg = config
     wd = work_dtype(curr.dtype)
@@ -602,8 +636,7 @@ def clipped_pg_loss(
 
     # Importance weight between the trainer's and the sampler's policy, [N], never a grad path.
     with torch.no_grad():
-        is_weight, out_of_bounds, seq_weight = _importance_weights(
-            cfg, prev_v, gen_v, valid, seq_id, seq_sum, seq_mean)
+        is_weight, out_of_bounds, seq_weight = _importance_weights(cfg, prev_v, gen_v, valid, seq_id, seq_sum, seq_mean)
     actor_loss = reduce_loss((is_weight if cfg.use_importance_sampling_correction else 1.0) * pg)
 
     beta = cfg.reference_policy_kl_penalty
@@ -621,8 +654,21 @@ def clipped_pg_loss(
 
     with torch.no_grad():
         metrics = _metrics(
-            cfg, curr_v, prev_v, gen_v, valid, ratio, ratio_clamped, loss_unclipped,
-            loss_clipped, is_weight, out_of_bounds, reduce_tok, g_seq, sample_mask, seq_weight,
+            cfg,
+            curr_v,
+            prev_v,
+            gen_v,
+            valid,
+            ratio,
+            ratio_clamped,
+            loss_unclipped,
+            loss_clipped,
+            is_weight,
+            out_of_bounds,
+            reduce_tok,
+            g_seq,
+            sample_mask,
+            seq_weight,
         )
         metrics.update(kl_penalty=kl, actor_loss=actor_loss, positive_nll=nll, loss=loss)
         metrics = {k: v.detach().to(torch.float32).reshape(()) for k, v in metrics.items()}
@@ -743,8 +789,23 @@ def _importance_weights(cfg, prev_v, gen_v, valid, seq_id, seq_sum, seq_mean):
     return weight, None, None
 
 
-def _metrics(cfg, curr_v, prev_v, gen_v, valid, ratio, ratio_clamped, loss_unclipped,
-             loss_clipped, is_weight, out_of_bounds, reduce_tok, g_seq, sample_mask, seq_weight):
+def _metrics(
+    cfg,
+    curr_v,
+    prev_v,
+    gen_v,
+    valid,
+    ratio,
+    ratio_clamped,
+    loss_unclipped,
+    loss_clipped,
+    is_weight,
+    out_of_bounds,
+    reduce_tok,
+    g_seq,
+    sample_mask,
+    seq_weight,
+):
     kl_type = cfg.reference_policy_kl_type
     log_mix = torch.logaddexp(prev_v, gen_v) - math.log(2.0)  # log(e^prev / 2 + e^gen / 2)
     a, b = prev_v - log_mix, gen_v - log_mix

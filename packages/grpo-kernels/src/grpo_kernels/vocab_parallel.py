@@ -51,12 +51,16 @@ def check_vocab_parallel_inputs(logits, target_ids, group, temperature, ignore_i
     leading = logits.shape[:-1]
     n_rows = leading.numel()
     if target_ids.numel() != n_rows:
-        raise ValueError(f"target_ids: shape {tuple(target_ids.shape)} does not match logits' leading dims {tuple(leading)}")
+        raise ValueError(
+            f"target_ids: shape {tuple(target_ids.shape)} does not match logits' leading dims {tuple(leading)}"
+        )
     targets = target_ids.reshape(n_rows).to(torch.int64)
     bad = ((targets < 0) | (targets >= n_vocab)) & (targets != ignore_index)
     if bool(bad.any()):
-        raise ValueError(f"target_ids: id {int(targets[bad][0])} is out of range [0, {n_vocab}) "
-                         f"(tp={size} shards of {n_local}) and is not ignore_index={ignore_index}")
+        raise ValueError(
+            f"target_ids: id {int(targets[bad][0])} is out of range [0, {n_vocab}) "
+            f"(tp={size} shards of {n_local}) and is not ignore_index={ignore_index}"
+        )
     return logits.reshape(n_rows, n_local), targets, rank * n_local, temperature, target_ids.shape
 
 

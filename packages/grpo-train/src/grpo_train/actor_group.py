@@ -67,8 +67,9 @@ def take_rows(batch: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Te
     return {key: value[rows] for key, value in batch.items()}
 
 
-def shard_steps(batch: dict[str, torch.Tensor], per_step: int,
-                world_size: int) -> tuple[list[dict[str, torch.Tensor]], list[float], list[float]]:
+def shard_steps(
+    batch: dict[str, torch.Tensor], per_step: int, world_size: int
+) -> tuple[list[dict[str, torch.Tensor]], list[float], list[float]]:
     """Each optimizer step's rows (`per_step` of them) split across the ranks, in step order:
     (one batch per rank, global valid tokens per step, global valid sequences per step)."""
     n = batch_size(batch)
@@ -84,9 +85,13 @@ def shard_steps(batch: dict[str, torch.Tensor], per_step: int,
     return [{k: torch.cat([s[k] for s in shard]) for k in batch} for shard in shards], tokens, seqs
 
 
-def run_optimizer_steps(batch: dict[str, torch.Tensor], per_step: int, global_valid_tokens: list[float] | None,
-                        global_valid_seqs: list[float] | None,
-                        step: Callable[[dict[str, torch.Tensor], float, float], dict[str, float]]) -> dict[str, float]:
+def run_optimizer_steps(
+    batch: dict[str, torch.Tensor],
+    per_step: int,
+    global_valid_tokens: list[float] | None,
+    global_valid_seqs: list[float] | None,
+    step: Callable[[dict[str, torch.Tensor], float, float], dict[str, float]],
+) -> dict[str, float]:
     """A rank's side of `shard_steps`: `step(rows, tokens, seqs)` on each optimizer step's rows
     (`per_step` of this rank's rows each), with the step's global valid token and sequence counts
     (counted locally when not given, for one worker; at least 1); the steps' mean metrics."""
@@ -103,8 +108,12 @@ def run_optimizer_steps(batch: dict[str, torch.Tensor], per_step: int, global_va
     return metrics
 
 
-def combine_rank_metrics(per_rank: list[dict[str, float]], shared: Iterable[str] = (),
-                         minimum: Iterable[str] = (), maximum: Iterable[str] = ()) -> dict[str, float]:
+def combine_rank_metrics(
+    per_rank: list[dict[str, float]],
+    shared: Iterable[str] = (),
+    minimum: Iterable[str] = (),
+    maximum: Iterable[str] = (),
+) -> dict[str, float]:
     """Loss-like metrics are partial sums of global means, so ranks add up; `minimum`/`maximum`
     reduce; `shared` ones are the same on every rank (after the all-reduce) and come from the
     first rank that reports them. A rank given no rows may report fewer keys."""

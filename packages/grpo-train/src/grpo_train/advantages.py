@@ -20,10 +20,14 @@ def scale_rewards(rewards: torch.Tensor, cfg: RewardScalingConfig) -> torch.Tens
     if not cfg.enabled:
         return rewards
     clamped = rewards.clamp(cfg.source_min, cfg.source_max)
-    return cfg.target_min + (clamped - cfg.source_min) / (cfg.source_max - cfg.source_min) * (cfg.target_max - cfg.target_min)
+    return cfg.target_min + (clamped - cfg.source_min) / (cfg.source_max - cfg.source_min) * (
+        cfg.target_max - cfg.target_min
+    )
 
 
-def shape_rewards(rewards: torch.Tensor, response_lengths: torch.Tensor, truncated: torch.Tensor, cfg: RewardShapingConfig) -> torch.Tensor:
+def shape_rewards(
+    rewards: torch.Tensor, response_lengths: torch.Tensor, truncated: torch.Tensor, cfg: RewardShapingConfig
+) -> torch.Tensor:
     """DAPO overlong penalty, or "stop properly" instead of it: r * coef for truncated samples.
 
     The two are alternatives (shared/GRPO-MATH.md): with stop_properly_penalty_coef set the DAPO
@@ -39,7 +43,9 @@ def shape_rewards(rewards: torch.Tensor, response_lengths: torch.Tensor, truncat
     return rewards + torch.clamp(-over * cfg.overlong_buffer_penalty, max=0.0)
 
 
-def group_baseline_and_std(rewards: torch.Tensor, valid: torch.Tensor, group_size: int, leave_one_out: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def group_baseline_and_std(
+    rewards: torch.Tensor, valid: torch.Tensor, group_size: int, leave_one_out: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sample baseline and Bessel-corrected std over the valid samples of its group.
 
     With leave_one_out, both are taken over the *other* valid samples of the group. A std over
@@ -64,8 +70,9 @@ def group_baseline_and_std(rewards: torch.Tensor, valid: torch.Tensor, group_siz
     return mean.view(-1).to(rewards.dtype), std.view(-1).to(rewards.dtype)
 
 
-def group_relative(rewards: torch.Tensor, valid: torch.Tensor, group_size: int, normalize: bool,
-                   leave_one_out: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def group_relative(
+    rewards: torch.Tensor, valid: torch.Tensor, group_size: int, normalize: bool, leave_one_out: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A_i = r_i - b_i, divided by (std_i + 1e-6) where normalising and std_i > 0; [B] -> [B].
 
     Returns (advantages, kept [B] bool). Invalid samples and samples of groups with at most one

@@ -57,7 +57,9 @@ def train_async(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Traine
     in_flight = cfg.grpo.async_grpo.in_flight_weight_updates
     buffer, collector = make_collector(cfg, parts, checkpoints, state, last)  # starts up meanwhile
     engines = supervise(cfg, parts, state)  # a restarted engine is handed to the collector too
-    engines.listeners.append(lambda generator: ray.get(collector.replace_engine.remote(generator, state.weight_version)))
+    engines.listeners.append(
+        lambda generator: ray.get(collector.replace_engine.remote(generator, state.weight_version))
+    )
     memory = MemoryChoreography.of(parts)
     try:
         validate_at_start(cfg, parts, logger, state, engines, memory)
@@ -79,9 +81,16 @@ def train_async(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Traine
             held = not in_flight  # the push waits for older batches, then holds the next one
             waited: list[float] = []
             metrics |= push_and_check(
-                cfg, parts, engines, memory, timer, state, rollouts,
+                cfg,
+                parts,
+                engines,
+                memory,
+                timer,
+                state,
+                rollouts,
                 push=lambda version: push_for_collector(cfg, parts, collector, version),
-                before_push=hold_for_push(collector, engines, waited) if held else None)
+                before_push=hold_for_push(collector, engines, waited) if held else None,
+            )
             push_wait = waited[0] if waited else 0.0
 
             state.step = step
@@ -98,8 +107,17 @@ def train_async(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: Traine
             if (due_val or due_ckpt) and not held:
                 hold(collector, engines)
                 held = True
-            validate_and_save(cfg, parts, logger, step, due_val, due_ckpt, engines, memory,
-                              lambda metrics: save_async_checkpoint(checkpoints, parts, buffer, collector, state, metrics))
+            validate_and_save(
+                cfg,
+                parts,
+                logger,
+                step,
+                due_val,
+                due_ckpt,
+                engines,
+                memory,
+                lambda metrics: save_async_checkpoint(checkpoints, parts, buffer, collector, state, metrics),
+            )
             if held:
                 ray.get(collector.release.remote())
             if stop:
@@ -126,8 +144,9 @@ def make_collector(cfg: GRPOMasterConfig, parts, checkpoints, state: TrainerStat
         ray.get(buffer.load_state_dict.remote(buffer_state))
         next_target = load_state(folder, COLLECTOR_FILE)["next_target"]
     shared = SharedParts(parts.tokenizer, parts.train_sets, parts.envs)
-    collector = make_collector_actor(cfg, shared, parts.generator, buffer, last, next_target,
-                                     state.weight_version, parts.train_data.state_dict())
+    collector = make_collector_actor(
+        cfg, shared, parts.generator, buffer, last, next_target, state.weight_version, parts.train_data.state_dict()
+    )
     return buffer, collector
 
 
@@ -135,13 +154,18 @@ def push_for_collector(cfg: GRPOMasterConfig, parts, collector, version: int) ->
     """`refit.push_weights` with the async engine's pause options; then the collector may
     generate with the new weights."""
     flags = cfg.grpo.async_grpo
-    push_weights(parts.policy, version, in_flight=flags.in_flight_weight_updates,
-                 reset_running_kv=flags.recompute_kv_cache_after_weight_updates)
+    push_weights(
+        parts.policy,
+        version,
+        in_flight=flags.in_flight_weight_updates,
+        reset_running_kv=flags.recompute_kv_cache_after_weight_updates,
+    )
     ray.get(collector.weights_loaded.remote(version))
 
 
-def take_groups(cfg: GRPOMasterConfig, buffer, collector, step: int, version: int,
-                engines: EngineSupervisor) -> list[GroupEntry]:
+def take_groups(
+    cfg: GRPOMasterConfig, buffer, collector, step: int, version: int, engines: EngineSupervisor
+) -> list[GroupEntry]:
     """The groups targeted at `step`, waiting for them (and restarting the engine if it died under
     the collector); stale ones (possible only after a resume with a smaller age bound) are dropped
     and their prompts generated again with the current weights."""
@@ -185,8 +209,9 @@ def hold(collector, engines: EngineSupervisor, until_version: int | None = None)
     return waited
 
 
-def pipeline_metrics(groups: list[GroupEntry], buffer_size: int, stats: dict, before: dict, timer: PhaseTimer,
-                     push_wait: float) -> dict[str, float]:
+def pipeline_metrics(
+    groups: list[GroupEntry], buffer_size: int, stats: dict, before: dict, timer: PhaseTimer, push_wait: float
+) -> dict[str, float]:
     ages = [(g.target_step - 1) - g.weight_version for g in groups]
     starvation = timer.seconds.get("wait_for_groups", 0.0)
     return {
@@ -204,8 +229,11 @@ def save_async_checkpoint(checkpoints, parts, buffer, collector, state: TrainerS
     """The sync checkpoint plus the buffer and the collector's position (the caller holds the
     collector, so the three agree: no group is lost or generated twice on resume)."""
     collector_state = ray.get(collector.state_dict.remote())
-    extra = {"dataloader": collector_state["dataloader"], BUFFER_FILE: ray.get(buffer.state_dict.remote()),
-             COLLECTOR_FILE: {"next_target": collector_state["next_target"]}}
+    extra = {
+        "dataloader": collector_state["dataloader"],
+        BUFFER_FILE: ray.get(buffer.state_dict.remote()),
+        COLLECTOR_FILE: {"next_target": collector_state["next_target"]},
+    }
     return save_checkpoint(checkpoints, parts, state, metrics, extra_files=extra)
 
 

@@ -39,8 +39,9 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def build_train_batch(rollouts: list[Rollout], advantages: torch.Tensor, sample_mask: torch.Tensor, pad_id: int,
-                      divisible_by: int = 1) -> dict[str, torch.Tensor]:
+def build_train_batch(
+    rollouts: list[Rollout], advantages: torch.Tensor, sample_mask: torch.Tensor, pad_id: int, divisible_by: int = 1
+) -> dict[str, torch.Tensor]:
     """Lay rollouts out as [B, S] tensors (S = longest prompt+response, rounded up)."""
     lengths = [len(r.prompt_ids) + len(r.response_ids) for r in rollouts]
     B, S = len(rollouts), round_up(max(lengths), divisible_by)
@@ -52,7 +53,9 @@ def build_train_batch(rollouts: list[Rollout], advantages: torch.Tensor, sample_
         p, n = len(r.prompt_ids), len(r.response_ids)
         input_ids[i, : p + n] = torch.tensor(r.prompt_ids + r.response_ids, dtype=torch.long)
         attention_mask[i, : p + n] = 1
-        token_mask[i, p : p + n] = 1.0 if r.response_mask is None else torch.tensor(r.response_mask, dtype=torch.float32)
+        token_mask[i, p : p + n] = (
+            1.0 if r.response_mask is None else torch.tensor(r.response_mask, dtype=torch.float32)
+        )
         gen_logprobs[i, p : p + n] = torch.tensor(r.gen_logprobs, dtype=torch.float32)
     return {
         "input_ids": input_ids,  # [B, S] int64, right-padded

@@ -141,7 +141,9 @@ def load_rng_state(folder: Path, stem: str = RNG_STEM) -> None:
         elif len(state["cuda"]) != torch.cuda.device_count():
             log.warning(
                 "%s holds %d CUDA generator states for %d visible devices: not restored",
-                path, len(state["cuda"]), torch.cuda.device_count(),
+                path,
+                len(state["cuda"]),
+                torch.cuda.device_count(),
             )
         else:
             torch.cuda.set_rng_state_all(state["cuda"])
@@ -225,15 +227,20 @@ class CheckpointManager:
             problem = verify_manifest(folder)
             if problem is None:
                 if damaged:
-                    moved = "; ".join(f"{bad.name} ({why}) -> {self._set_aside_damaged(bad).name}" for bad, why in damaged)
-                    say(f"warning: resuming from {folder.name}: newer checkpoint(s) failed their "
-                        f"{MANIFEST_FILE} check and were moved aside: {moved}")
+                    moved = "; ".join(
+                        f"{bad.name} ({why}) -> {self._set_aside_damaged(bad).name}" for bad, why in damaged
+                    )
+                    say(
+                        f"warning: resuming from {folder.name}: newer checkpoint(s) failed their "
+                        f"{MANIFEST_FILE} check and were moved aside: {moved}"
+                    )
                 return folder
             damaged.append((folder, problem))
         if damaged:
             found = "; ".join(f"{bad.name} ({why})" for bad, why in damaged)
-            raise NoIntactCheckpoint(f"no intact checkpoint under {self.root}: {found}; "
-                                     "restore them or start a new run (--run-dir)")
+            raise NoIntactCheckpoint(
+                f"no intact checkpoint under {self.root}: {found}; restore them or start a new run (--run-dir)"
+            )
         return None
 
     def _set_aside_damaged(self, folder: Path) -> Path:
@@ -316,8 +323,9 @@ class CheckpointManager:
         except (OSError, UnicodeDecodeError, ValueError) as err:
             if file not in self._bad_metrics:
                 self._bad_metrics.add(file)
-                log.warning("%s is unreadable (%s): pruning ranks this checkpoint as having no %s",
-                            file, err, self.metric_name)
+                log.warning(
+                    "%s is unreadable (%s): pruning ranks this checkpoint as having no %s", file, err, self.metric_name
+                )
             return None
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             return None

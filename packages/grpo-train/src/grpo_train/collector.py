@@ -74,8 +74,17 @@ class TrajectoryCollector:
     version `version` and its own dataloader, over the driver's datasets, at `dataloader_state`
     (None: the beginning)."""
 
-    def __init__(self, cfg, shared: SharedParts, generator, buffer, last_step: int, next_target: int,
-                 version: int, dataloader_state: dict | None) -> None:
+    def __init__(
+        self,
+        cfg,
+        shared: SharedParts,
+        generator,
+        buffer,
+        last_step: int,
+        next_target: int,
+        version: int,
+        dataloader_state: dict | None,
+    ) -> None:
         self.cfg = cfg
         self.max_age = cfg.grpo.async_grpo.max_trajectory_age_steps
         self.train_data = build_train_iterator(cfg, shared.train_sets)
@@ -142,8 +151,10 @@ class TrajectoryCollector:
         groups: list[list] = [[] for _ in datums]
         for r in result.rollouts:
             groups[r.prompt_index].append(r)
-        return [GroupEntry(target, version, i, datum, group, epoch, result.env_metrics)
-                for i, (datum, group) in enumerate(zip(datums, groups))]
+        return [
+            GroupEntry(target, version, i, datum, group, epoch, result.env_metrics)
+            for i, (datum, group) in enumerate(zip(datums, groups))
+        ]
 
     # -- calls from the training loop -----------------------------------------------------------
 
@@ -201,8 +212,12 @@ class TrajectoryCollector:
 
     async def stats(self) -> dict[str, float]:
         """Cumulative seconds idle and generating, batches generated, the next step to generate."""
-        return {"idle_s": self.idle_s, "generate_s": self.generate_s, "batches": float(self.batches),
-                "next_target": float(self.next_target)}
+        return {
+            "idle_s": self.idle_s,
+            "generate_s": self.generate_s,
+            "batches": float(self.batches),
+            "next_target": float(self.next_target),
+        }
 
     async def error(self) -> str | None:
         """The production loop's exception, if it died (the loop checks while it waits)."""
@@ -231,8 +246,17 @@ class TrajectoryCollector:
             self._changed.notify_all()
 
 
-def make_collector_actor(cfg, shared: SharedParts, generator, buffer, last_step: int, next_target: int,
-                         version: int, dataloader_state: dict | None):
+def make_collector_actor(
+    cfg,
+    shared: SharedParts,
+    generator,
+    buffer,
+    last_step: int,
+    next_target: int,
+    version: int,
+    dataloader_state: dict | None,
+):
     """Start a `TrajectoryCollector` as an async Ray actor (concurrent calls: hold, weights_loaded, stats)."""
     return ray.remote(num_cpus=0, max_concurrency=16)(TrajectoryCollector).remote(
-        cfg, shared, generator, buffer, last_step, next_target, version, dataloader_state)
+        cfg, shared, generator, buffer, last_step, next_target, version, dataloader_state
+    )

@@ -43,8 +43,7 @@ PHASES = ("training", "refit", "generation")
 
 def colocated_on_gpus(cfg) -> bool:
     """Whether the run's engines share the trainer's GPUs (the choreography is active)."""
-    return cfg.policy.generation.colocated.enabled and cfg.cluster.gpus_per_node > 0 \
-        and not cfg.grpo.async_grpo.enabled
+    return cfg.policy.generation.colocated.enabled and cfg.cluster.gpus_per_node > 0 and not cfg.grpo.async_grpo.enabled
 
 
 class MemoryChoreography:

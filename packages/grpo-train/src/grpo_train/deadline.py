@@ -34,6 +34,10 @@ class SaveDeadline:
 
     def announce(self, step: int) -> None:
         spent = self.last - self.started
-        print(f"grpo: checkpointing.checkpoint_must_save_by: {spent:.0f} s of {self.budget_s:.0f} s spent and the "
-              f"longest step took {self.longest_step_s:.0f} s; saved a checkpoint at step {step} and stopping "
-              f"(run the same command again to resume)", file=sys.stderr, flush=True)
+        print(
+            f"grpo: checkpointing.checkpoint_must_save_by: {spent:.0f} s of {self.budget_s:.0f} s spent and the "
+            f"longest step took {self.longest_step_s:.0f} s; saved a checkpoint at step {step} and stopping "
+            f"(run the same command again to resume)",
+            file=sys.stderr,
+            flush=True,
+        )

@@ -39,8 +39,9 @@ class EngineSupervisor:
     """See the module docstring. `parts` holds `generator` (the `GeneratorGroup`), `policy`,
     `engine_factories` (one per engine); `version` gives the current weight version."""
 
-    def __init__(self, parts, max_restarts: int, version: Callable[[], int],
-                 refit_gate: Callable[[Any], None] | None = None) -> None:
+    def __init__(
+        self, parts, max_restarts: int, version: Callable[[], int], refit_gate: Callable[[Any], None] | None = None
+    ) -> None:
         self.parts = parts
         self.max_restarts = max_restarts
         self.version = version
@@ -73,7 +74,8 @@ class EngineSupervisor:
             raise EngineFailed(
                 f"generation engine {names} of {len(group.engines)} died during {phase} ({what}) after "
                 f"{self.restarts} restart(s) (policy.generation.max_engine_restarts={self.max_restarts}); the last "
-                "checkpoint stays intact")
+                "checkpoint stays intact"
+            )
         self.restarts += 1
         engines = list(group.engines)
         for i in dead:

@@ -51,8 +51,9 @@ class GRPOEstimator:
         self.cfg = cfg
 
     def __call__(self, x: GroupBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        adv, kept = group_relative(x.rewards, x.valid, x.group_size, self.cfg.normalize_group_rewards,
-                                   self.cfg.leave_one_out)
+        adv, kept = group_relative(
+            x.rewards, x.valid, x.group_size, self.cfg.normalize_group_rewards, self.cfg.leave_one_out
+        )
         return _per_token(adv, x), kept
 
 
@@ -66,18 +67,27 @@ class GDPOEstimator:
     def __call__(self, x: GroupBatch) -> tuple[torch.Tensor, torch.Tensor]:
         if x.components is None or x.components.shape[1] < 2:
             k = 0 if x.components is None else x.components.shape[1]
-            raise ValueError(f"grpo.adv_estimator.name 'gdpo' needs at least two reward components per sample "
-                             f"(the environment's metadata 'reward_components'); this batch has {k}")
+            raise ValueError(
+                f"grpo.adv_estimator.name 'gdpo' needs at least two reward components per sample "
+                f"(the environment's metadata 'reward_components'); this batch has {k}"
+            )
         n = x.components.shape[1]
         weights = self.cfg.adv_estimator.reward_weights or [1.0] * n
         if len(weights) != n:
-            raise ValueError(f"grpo.adv_estimator.reward_weights has {len(weights)} entries but the samples have {n} "
-                             f"reward components")
+            raise ValueError(
+                f"grpo.adv_estimator.reward_weights has {len(weights)} entries but the samples have {n} "
+                f"reward components"
+            )
         combined = torch.zeros_like(x.rewards, dtype=torch.float64)
         kept = x.valid.bool()
         for k, w in enumerate(weights):
-            adv_k, kept = group_relative(x.components[:, k].double(), x.valid, x.group_size,
-                                         self.cfg.normalize_group_rewards, self.cfg.leave_one_out)
+            adv_k, kept = group_relative(
+                x.components[:, k].double(),
+                x.valid,
+                x.group_size,
+                self.cfg.normalize_group_rewards,
+                self.cfg.leave_one_out,
+            )
             combined = combined + w * adv_k
         vals = combined[kept]
         if vals.numel() > 0:
@@ -121,8 +131,15 @@ def estimate_advantages(cfg: GRPOConfig, x: GroupBatch) -> torch.Tensor:
     return clip_advantages(adv.float(), kept, cfg) * x.token_mask
 
 
-def kl_in_reward(prev: torch.Tensor, ref: torch.Tensor, token_mask: torch.Tensor, beta: float, kl_type: str,
-                 input_clamp: float | None, output_clamp: float | None) -> torch.Tensor:
+def kl_in_reward(
+    prev: torch.Tensor,
+    ref: torch.Tensor,
+    token_mask: torch.Tensor,
+    beta: float,
+    kl_type: str,
+    input_clamp: float | None,
+    output_clamp: float | None,
+) -> torch.Tensor:
     """[B, S] beta * k(prev || ref) with the loss's estimator and clamps (shared/GRPO-MATH.md), 0 off the response.
 
     logr = clamp(ref - prev, +-input_clamp); k1 = -logr, k2 = logr^2 / 2, k3 = e^logr - 1 - logr.

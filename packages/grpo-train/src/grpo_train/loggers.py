@@ -269,7 +269,9 @@ class MetricsLogger:
         # tqdm: only with the console logger (`grpo plot` imports this module)
         from tqdm.auto import tqdm
 
-        return tqdm(total=self.total_steps, initial=self.start_step, desc=self.run_name, unit="step", dynamic_ncols=True)
+        return tqdm(
+            total=self.total_steps, initial=self.start_step, desc=self.run_name, unit="step", dynamic_ncols=True
+        )
 
     def _print(self, text: str) -> None:
         """Print above the progress bar without breaking it."""

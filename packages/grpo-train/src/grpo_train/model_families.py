@@ -76,8 +76,10 @@ class Qwen3MoeFamily(Family):
             return
         prefix, kind = match["prefix"], match["kind"]
         if tensor.dim() != 3:
-            raise UnsupportedFamilyError(f"model type {self.model_type!r}: fused expert tensor {name} has shape "
-                                         f"{tuple(tensor.shape)}; expected [experts, out, in]")
+            raise UnsupportedFamilyError(
+                f"model type {self.model_type!r}: fused expert tensor {name} has shape "
+                f"{tuple(tensor.shape)}; expected [experts, out, in]"
+            )
         for e in range(tensor.shape[0]):
             if kind == "down_proj":
                 yield f"{prefix}.{e}.down_proj.weight", tensor[e]
@@ -127,8 +129,9 @@ def family_of(config: Any) -> Family:
     return BY_MODEL_TYPE.get(str(getattr(text, "model_type", "")), Family)(text)
 
 
-def checkpoint_named_tensors(config: Any, named: Iterator[tuple[str, torch.Tensor]]
-                             ) -> Iterator[tuple[str, torch.Tensor]]:
+def checkpoint_named_tensors(
+    config: Any, named: Iterator[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """State-dict (name, tensor) pairs -> the checkpoint-format pairs the engine loads."""
     family = family_of(config)
     for name, tensor in named:
@@ -139,13 +142,28 @@ def unsupported_names_message(config: Any, missing: list[str], extra: list[str],
     """The one-line refusal of a push whose names do not match the engine's checkpoint."""
     text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
     model_type = str(getattr(text, "model_type", "?"))
-    known = "" if model_type in BY_MODEL_TYPE else (
-        f" (model type {model_type!r} is not in grpo's family registry, grpo_train.model_families; "
-        f"supported: {', '.join(supported_model_types())})")
-    return (f"weight push for model type {model_type!r}{known}: the engine's checkpoint has {expected} tensors; "
-            f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
-            f"unexpected {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+    known = (
+        ""
+        if model_type in BY_MODEL_TYPE
+        else (
+            f" (model type {model_type!r} is not in grpo's family registry, grpo_train.model_families; "
+            f"supported: {', '.join(supported_model_types())})"
+        )
+    )
+    return (
+        f"weight push for model type {model_type!r}{known}: the engine's checkpoint has {expected} tensors; "
+        f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
+        f"unexpected {extra[:5]}{' ...' if len(extra) > 5 else ''}"
+    )
 
 
-__all__ = ["BY_MODEL_TYPE", "FAMILIES", "Family", "UnsupportedFamilyError", "checkpoint_named_tensors", "family_of",
-           "supported_model_types", "unsupported_names_message"]
+__all__ = [
+    "BY_MODEL_TYPE",
+    "FAMILIES",
+    "Family",
+    "UnsupportedFamilyError",
+    "checkpoint_named_tensors",
+    "family_of",
+    "supported_model_types",
+    "unsupported_names_message",
+]

@@ -55,6 +55,12 @@ class PlacementProbe:
         # public get_assigned_resources() folds it back into plain names.
         raw = ray._private.worker.global_worker.core_worker.resource_ids()
         bundles = sorted({int(m.group(2)) for key in raw if (m := INDEXED.match(key)) and m.group(1) != "bundle"})
-        return {"role": self.role, "node_id": ctx.get_node_id(), "bundles": bundles,
-                "placement_group": ctx.get_placement_group_id(), "gpus": ctx.get_assigned_resources().get("GPU", 0.0),
-                "gpu_ids": [str(i) for i in ray.get_gpu_ids()], "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+        return {
+            "role": self.role,
+            "node_id": ctx.get_node_id(),
+            "bundles": bundles,
+            "placement_group": ctx.get_placement_group_id(),
+            "gpus": ctx.get_assigned_resources().get("GPU", 0.0),
+            "gpu_ids": [str(i) for i in ray.get_gpu_ids()],
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        }

@@ -133,8 +133,10 @@ def model_size(name: str, key: str) -> ModelSize:
         return ModelSize(n, f"safetensors headers in {folder}", config_dict)
     if config is None or config_dict is None:
         known = ", ".join(p.stem.replace("--", "/") for p in sorted(KNOWN_CONFIGS.glob("*.json")))
-        raise PlanError(f"{key}: cannot size {name!r} without loading it: no local folder, no config.json in the "
-                        f"Hugging Face cache, not a known architecture ({known}); set {key} to a local folder")
+        raise PlanError(
+            f"{key}: cannot size {name!r} without loading it: no local folder, no config.json in the "
+            f"Hugging Face cache, not a known architecture ({known}); set {key} to a local folder"
+        )
     return ModelSize(params_from_config(config_dict), str(config), config_dict)
 
 
@@ -147,14 +149,19 @@ def tp_size_problem(config, tp_size: int) -> str | None:
     """Why the policy's `tp_size` cannot split this model (heads, KV heads, vocabulary), or None.
     `config`: an HF config object or its config.json dict."""
     heads = _config_value(config, "num_attention_heads")
-    counts = {"num_attention_heads": heads,
-              "num_key_value_heads": _config_value(config, "num_key_value_heads") or heads,
-              "vocab_size": _config_value(config, "vocab_size")}
+    counts = {
+        "num_attention_heads": heads,
+        "num_key_value_heads": _config_value(config, "num_key_value_heads") or heads,
+        "vocab_size": _config_value(config, "vocab_size"),
+    }
     bad = {name: n for name, n in counts.items() if n is not None and n % tp_size}
     if not bad:
         return None
-    return (f"{tp_size} does not divide the model's " + ", ".join(f"{k}={v}" for k, v in bad.items())
-            + " (each tensor-parallel rank holds whole heads and an equal vocabulary slice)")
+    return (
+        f"{tp_size} does not divide the model's "
+        + ", ".join(f"{k}={v}" for k, v in bad.items())
+        + " (each tensor-parallel rank holds whole heads and an equal vocabulary slice)"
+    )
 
 
 def engine_tp_problem(config: dict, tp: int) -> str | None:
@@ -166,8 +173,10 @@ def engine_tp_problem(config: dict, tp: int) -> str | None:
         return None
     kv = text.get("num_key_value_heads") or heads
     if heads % tp or (kv % tp and tp % kv):
-        return (f"{tp} does not fit the model's num_attention_heads={heads}, num_key_value_heads={kv} (vLLM needs it "
-                f"to divide the heads, and to divide or be a multiple of the KV heads)")
+        return (
+            f"{tp} does not fit the model's num_attention_heads={heads}, num_key_value_heads={kv} (vLLM needs it "
+            f"to divide the heads, and to divide or be a multiple of the KV heads)"
+        )
     return None
 
 
@@ -218,7 +227,11 @@ class ParallelLayout:
 
     def header(self) -> str:
         sizes = f"dp {self.dp}" + (f" x cp {self.cp}" if self.cp > 1 else "") + f" x tp {self.tp}"
-        order = f"(dp_rank * {self.cp} + cp_rank) * {self.tp} + tp_rank" if self.cp > 1 else f"dp_rank * {self.tp} + tp_rank"
+        order = (
+            f"(dp_rank * {self.cp} + cp_rank) * {self.tp} + tp_rank"
+            if self.cp > 1
+            else f"dp_rank * {self.tp} + tp_rank"
+        )
         return f"policy process groups: {sizes} (rank = {order})"
 
 
@@ -236,8 +249,14 @@ class Actor:
 # the refit phase keeps the trainer's weights for the push, the rest is offloaded or freed).
 _ENGINE_PARTS = ("engine weights", "engine KV cache")
 COLOCATED_PHASES = {
-    "training": ("compute weights", "compute weights (gathered per layer)", "fp32 masters", "gradients", "optimizer",
-                 "reference"),
+    "training": (
+        "compute weights",
+        "compute weights (gathered per layer)",
+        "fp32 masters",
+        "gradients",
+        "optimizer",
+        "reference",
+    ),
     "refit": ("compute weights", "compute weights (gathered per layer)", "fp32 masters", *_ENGINE_PARTS),
     "generation": _ENGINE_PARTS,
 }
@@ -276,7 +295,9 @@ class Plan:
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     layout: ParallelLayout | None = None  # the policy's process groups when tensor (or context) parallel
-    engine_groups: list[tuple[int, list[int], list[int]]] = field(default_factory=list)  # (engine, nodes, GPUs): TP engines
+    engine_groups: list[tuple[int, list[int], list[int]]] = field(
+        default_factory=list
+    )  # (engine, nodes, GPUs): TP engines
 
     def render(self) -> str:
         lines = [f"model: {self.model.params / 1e9:.3f} B parameters ({self.model.source})", "actors:"]
@@ -299,8 +320,10 @@ class Plan:
                     lines.append(f"  GPU {g.index} (node {g.node}): {g.total:.1f} = {parts}")
                 else:
                     phases = ", ".join(f"{k} {v:.1f}" for k, v in g.phase_totals().items())
-                    lines.append(f"  GPU {g.index} (node {g.node}): peak {g.total:.1f} ({g.peak_phase}) of phases "
-                                 f"{phases}; parts {parts}")
+                    lines.append(
+                        f"  GPU {g.index} (node {g.node}): peak {g.total:.1f} ({g.peak_phase}) of phases "
+                        f"{phases}; parts {parts}"
+                    )
         lines += [f"note: {n}" for n in self.notes]
         lines += [f"does not fit: {p}" for p in self.problems]
         if not self.problems and self.gpus:
@@ -368,11 +391,24 @@ def make_plan(cfg: GRPOMasterConfig, gpu_memory_gb: float | None = None, model_p
         for e in range(engines):
             devs = _placed(tp, next_gpu + e * tp, g)
             for _node, dev in devs:
-                _engine_memory(gpus[dev] if dev < len(gpus) else None, gen.backend, vllm.gpu_memory_utilization,
-                               engine_weights, tp, gpu_memory_gb)
+                _engine_memory(
+                    gpus[dev] if dev < len(gpus) else None,
+                    gen.backend,
+                    vllm.gpu_memory_utilization,
+                    engine_weights,
+                    tp,
+                    gpu_memory_gb,
+                )
             engine_groups.append((sorted({node for node, _ in devs}), [dev for _, dev in devs]))
-            actors.append(Actor(f"{label} {e}" if engines > 1 else label, devs[0][0], f"generation[{e}] {{GPU:{tp},CPU:1}}",
-                                float(tp), devs[0][1]))
+            actors.append(
+                Actor(
+                    f"{label} {e}" if engines > 1 else label,
+                    devs[0][0],
+                    f"generation[{e}] {{GPU:{tp},CPU:1}}",
+                    float(tp),
+                    devs[0][1],
+                )
+            )
         next_gpu += engines * tp
 
     # value ranks (PPO)
@@ -380,8 +416,15 @@ def make_plan(cfg: GRPOMasterConfig, gpu_memory_gb: float | None = None, model_p
         vb = DTYPE_BYTES[cfg.value.precision]
         for r in range(cfg.value.num_workers):
             node, dev = ((next_gpu + r) // g, next_gpu + r) if g else (None, None)
-            actors.append(Actor(f"value rank {r}", node, f"value[{r}] {{GPU:1,CPU:1}}" if g else f"value[{r}] {{CPU:1}}",
-                                1.0 if g else 0.0, dev))
+            actors.append(
+                Actor(
+                    f"value rank {r}",
+                    node,
+                    f"value[{r}] {{GPU:1,CPU:1}}" if g else f"value[{r}] {{CPU:1}}",
+                    1.0 if g else 0.0,
+                    dev,
+                )
+            )
             if g and dev < len(gpus):
                 gpus[dev].role = "value"
                 _trainer_memory(gpus[dev], P, vb, 1, False, False)  # value ranks hold full replicas
@@ -396,9 +439,15 @@ def make_plan(cfg: GRPOMasterConfig, gpu_memory_gb: float | None = None, model_p
             if env_gpus and g:
                 dev = next_gpu
                 next_gpu += 1
-            actors.append(Actor(f"env {name} [{w}]", None if dev is None else dev // g,
-                                "{" + ",".join(f"{k}:{v:g}" for k, v in {"CPU": want.get("CPU", 1), **want}.items()) + "}",
-                                env_gpus, dev))
+            actors.append(
+                Actor(
+                    f"env {name} [{w}]",
+                    None if dev is None else dev // g,
+                    "{" + ",".join(f"{k}:{v:g}" for k, v in {"CPU": want.get("CPU", 1), **want}.items()) + "}",
+                    env_gpus,
+                    dev,
+                )
+            )
 
     plan = Plan(actors, gpus, gpu_memory_gb if g else None, model)
     plan.layout = _policy_layout(cfg, [node for node, _ in ranks])
@@ -426,19 +475,25 @@ def _check_tensor_parallel(cfg: GRPOMasterConfig, plan: Plan, gpus_per_node: int
     if tp_size > 1 and config is not None and (problem := tp_size_problem(config, tp_size)):
         plan.problems.append(f"policy.dtensor_cfg.tensor_parallel_size: {problem}")
     if tp_size > 1 and gpus_per_node and gpus_per_node % tp_size:
-        plan.problems.append(f"policy.dtensor_cfg.tensor_parallel_size ({tp_size}) must divide cluster.gpus_per_node "
-                             f"({gpus_per_node}): a tensor-parallel group's ranks stay on one node")
+        plan.problems.append(
+            f"policy.dtensor_cfg.tensor_parallel_size ({tp_size}) must divide cluster.gpus_per_node "
+            f"({gpus_per_node}): a tensor-parallel group's ranks stay on one node"
+        )
     cp_size = cfg.policy.dtensor_cfg.context_parallel_size
     if cp_size > 1 and gpus_per_node and gpus_per_node % cp_size:
-        plan.problems.append(f"policy.dtensor_cfg.context_parallel_size ({cp_size}) must divide cluster.gpus_per_node "
-                             f"({gpus_per_node}): a context-parallel ring's ranks stay on one node")
+        plan.problems.append(
+            f"policy.dtensor_cfg.context_parallel_size ({cp_size}) must divide cluster.gpus_per_node "
+            f"({gpus_per_node}): a context-parallel ring's ranks stay on one node"
+        )
     gen = cfg.policy.generation
     engine_tp = gen.vllm_cfg.tensor_parallel_size if gen.backend == "vllm" else 1
     if engine_tp > 1 and config is not None and (problem := engine_tp_problem(config, engine_tp)):
         plan.problems.append(f"policy.generation.vllm_cfg.tensor_parallel_size: {problem}")
     if engine_tp > gpus_per_node > 0 and not gen.colocated.enabled:
-        plan.problems.append(f"policy.generation.vllm_cfg.tensor_parallel_size ({engine_tp}): the engine needs "
-                             f"{engine_tp} GPUs in one bundle, more than a node's cluster.gpus_per_node ({gpus_per_node})")
+        plan.problems.append(
+            f"policy.generation.vllm_cfg.tensor_parallel_size ({engine_tp}): the engine needs "
+            f"{engine_tp} GPUs in one bundle, more than a node's cluster.gpus_per_node ({gpus_per_node})"
+        )
 
 
 def _trainer_memory(load: GpuLoad, P: int, b: int, div: int, reference: bool, offload: bool) -> None:
@@ -454,8 +509,9 @@ def _trainer_memory(load: GpuLoad, P: int, b: int, div: int, reference: bool, of
         load.parts["reference"] = P * b / div / GB
 
 
-def _engine_memory(load: GpuLoad | None, backend: str, util: float, weights_gb: float, tp: int,
-                   gpu_memory_gb: float | None) -> None:
+def _engine_memory(
+    load: GpuLoad | None, backend: str, util: float, weights_gb: float, tp: int, gpu_memory_gb: float | None
+) -> None:
     if load is None or not gpu_memory_gb:
         return
     if backend == "vllm":
@@ -469,13 +525,17 @@ def _engine_memory(load: GpuLoad | None, backend: str, util: float, weights_gb: 
 def _check(cfg: GRPOMasterConfig, plan: Plan, gpus_wanted: int) -> None:
     g, have = cfg.cluster.gpus_per_node, cfg.cluster.gpus_per_node * cfg.cluster.num_nodes
     if not g:
-        plan.notes.append("CPU cluster: no GPU memory to check (engines use policy.generation.vllm_cfg.kv_cache_space_gb "
-                          "of host memory)")
+        plan.notes.append(
+            "CPU cluster: no GPU memory to check (engines use policy.generation.vllm_cfg.kv_cache_space_gb "
+            "of host memory)"
+        )
         return
     if gpus_wanted > have:
-        plan.problems.append(f"the actors want {gpus_wanted} GPUs but cluster.gpus_per_node * cluster.num_nodes = {have}; "
-                             f"lower policy.num_workers, value.num_workers, policy.generation.colocated.resources or "
-                             f"env.<name>.resources, or raise cluster.gpus_per_node / cluster.num_nodes")
+        plan.problems.append(
+            f"the actors want {gpus_wanted} GPUs but cluster.gpus_per_node * cluster.num_nodes = {have}; "
+            f"lower policy.num_workers, value.num_workers, policy.generation.colocated.resources or "
+            f"env.<name>.resources, or raise cluster.gpus_per_node / cluster.num_nodes"
+        )
     if not plan.gpu_memory_gb:
         plan.notes.append("GPU memory not checked: set cluster.gpu_memory_gb (or `grpo plan --gpu-memory-gb`)")
         return
@@ -483,22 +543,32 @@ def _check(cfg: GRPOMasterConfig, plan: Plan, gpus_wanted: int) -> None:
     for load in plan.gpus:
         kv = load.parts.get("engine KV cache")
         if kv is not None and kv <= 0:
-            plan.problems.append(f"GPU {load.index}: policy.generation.vllm_cfg.gpu_memory_utilization={util:g} "
-                                 f"({util * plan.gpu_memory_gb:.1f} GB) leaves no KV cache beside the engine's weights "
-                                 f"({load.parts['engine weights']:.1f} GB); raise it")
+            plan.problems.append(
+                f"GPU {load.index}: policy.generation.vllm_cfg.gpu_memory_utilization={util:g} "
+                f"({util * plan.gpu_memory_gb:.1f} GB) leaves no KV cache beside the engine's weights "
+                f"({load.parts['engine weights']:.1f} GB); raise it"
+            )
         if load.total > plan.gpu_memory_gb and load.role == "value":
-            plan.problems.append(f"GPU {load.index} (value rank) needs {load.total:.1f} GB of {plan.gpu_memory_gb:g} GB; "
-                                 f"change value.num_workers (more ranks shard the value model's state) or value.precision")
+            plan.problems.append(
+                f"GPU {load.index} (value rank) needs {load.total:.1f} GB of {plan.gpu_memory_gb:g} GB; "
+                f"change value.num_workers (more ranks shard the value model's state) or value.precision"
+            )
         elif load.total > plan.gpu_memory_gb:
             engine = load.parts.get("engine weights", 0) + max(kv or 0, 0)
             trainer = sum(load.parts.values()) - engine
-            held = (f"in its {load.peak_phase} phase (trainer {trainer:.1f} and engine {engine:.1f} held in turns)"
-                    if load.phases else f"(trainer {trainer:.1f} + engine {engine:.1f})")
+            held = (
+                f"in its {load.peak_phase} phase (trainer {trainer:.1f} and engine {engine:.1f} held in turns)"
+                if load.phases
+                else f"(trainer {trainer:.1f} + engine {engine:.1f})"
+            )
             plan.problems.append(
                 f"GPU {load.index} needs {load.total:.1f} GB {held} of {plan.gpu_memory_gb:g} GB; change policy.num_workers (FSDP2 shards "
                 f"the trainer's state over ranks), policy.dtensor_cfg.cpu_offload: true, "
                 f"policy.generation.vllm_cfg.gpu_memory_utilization, loss_fn.reference_policy_kl_penalty: 0 (no "
-                f"reference) or policy.generation.colocated.enabled: false")
+                f"reference) or policy.generation.colocated.enabled: false"
+            )
         elif load.total > (1 - HEADROOM) * plan.gpu_memory_gb:
-            plan.notes.append(f"GPU {load.index}: {load.total:.1f} of {plan.gpu_memory_gb:g} GB leaves under "
-                              f"{HEADROOM:.0%} for activations and the CUDA context")
+            plan.notes.append(
+                f"GPU {load.index}: {load.total:.1f} of {plan.gpu_memory_gb:g} GB leaves under "
+                f"{HEADROOM:.0%} for activations and the CUDA context"
+            )

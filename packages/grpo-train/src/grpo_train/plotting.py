@@ -38,7 +38,9 @@ def read_metrics(path: Path) -> list[dict]:
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{lineno}: not a JSON object ({err.msg})") from err
             if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-                raise ValueError(f"{path}:{lineno}: expected an object with an integer 'step', got {line.strip()[:80]!r}")
+                raise ValueError(
+                    f"{path}:{lineno}: expected an object with an integer 'step', got {line.strip()[:80]!r}"
+                )
             rows.append(row)
     return rows
 
@@ -108,4 +110,3 @@ def plot_run(run_dir: Path) -> Path:
     finally:
         tmp.unlink(missing_ok=True)
     return out
-

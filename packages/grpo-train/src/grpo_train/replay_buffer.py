@@ -95,9 +95,16 @@ class ReplayBuffer:
 
 def _record(entry: GroupEntry, step: int, trainer_version: int, dropped: bool) -> dict:
     prompt = entry.datum.message_log[0]["content"] if getattr(entry.datum, "message_log", None) else ""
-    return {"step": step, "trainer_version": trainer_version, "weight_version": entry.weight_version,
-            "age": trainer_version - entry.weight_version, "prompt_index": entry.prompt_index,
-            "datum_idx": int(getattr(entry.datum, "idx", -1)), "prompt": prompt, "dropped": dropped}
+    return {
+        "step": step,
+        "trainer_version": trainer_version,
+        "weight_version": entry.weight_version,
+        "age": trainer_version - entry.weight_version,
+        "prompt_index": entry.prompt_index,
+        "datum_idx": int(getattr(entry.datum, "idx", -1)),
+        "prompt": prompt,
+        "dropped": dropped,
+    }
 
 
 def make_replay_buffer_actor(max_age: int):

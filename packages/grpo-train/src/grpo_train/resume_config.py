@@ -50,8 +50,11 @@ _ABSENT = "<absent>"
 def config_changes(saved: dict, current: dict) -> dict[str, tuple[Any, Any]]:
     """key path -> (saved value, current value) for every leaf that differs."""
     old, new = flatten(saved), flatten(current)
-    return {k: (old.get(k, _ABSENT), new.get(k, _ABSENT)) for k in sorted(old.keys() | new.keys())
-            if old.get(k, _ABSENT) != new.get(k, _ABSENT)}
+    return {
+        k: (old.get(k, _ABSENT), new.get(k, _ABSENT))
+        for k in sorted(old.keys() | new.keys())
+        if old.get(k, _ABSENT) != new.get(k, _ABSENT)
+    }
 
 
 def is_applied_on_resume(path: str) -> bool:

@@ -50,16 +50,19 @@ def choose_resume_point(checkpoints, resolved: dict) -> Path | None:
         return folder
     applied, refused = resume_config.split_changes(saved, resolved)
     if refused:
-        raise StartupError(f"cannot resume {folder}: changed since it was written: {resume_config.describe(refused)}; "
-                           "restore these values or start a new run (--run-dir). Changeable on resume: "
-                           + ", ".join(resume_config.APPLIED_ON_RESUME))
+        raise StartupError(
+            f"cannot resume {folder}: changed since it was written: {resume_config.describe(refused)}; "
+            "restore these values or start a new run (--run-dir). Changeable on resume: "
+            + ", ".join(resume_config.APPLIED_ON_RESUME)
+        )
     if applied:
         say(f"resuming with a changed config (applied): {resume_config.describe(applied)}")
     return folder
 
 
-def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None = None,
-          config_file: str = "<config>") -> int:
+def train(
+    cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None = None, config_file: str = "<config>"
+) -> int:
     """A training run; 0, 1 or 2 (the module's exit codes). The optimizer check of the config
     (`config.checks.check_optimizers`, imports torch._dynamo) runs here, beside Ray's start, and
     raises its ConfigError (naming `config_file`) before any actor starts."""
@@ -101,9 +104,17 @@ def train(cfg: GRPOMasterConfig, raw: dict, run_name: str, run_dir: str | None =
         say(str(exc))
         return EXIT_STARTUP
     ckpt_root = Path(cfg.checkpointing.checkpoint_dir or run_path / "checkpoints")
-    checkpoints = CheckpointManager(ckpt_root, cfg.checkpointing.keep_top_k, cfg.checkpointing.metric_name,
-                                    cfg.checkpointing.higher_is_better, run_config=cfg.model_dump(mode="json")
-                                    ) if cfg.checkpointing.enabled else None
+    checkpoints = (
+        CheckpointManager(
+            ckpt_root,
+            cfg.checkpointing.keep_top_k,
+            cfg.checkpointing.metric_name,
+            cfg.checkpointing.higher_is_better,
+            run_config=cfg.model_dump(mode="json"),
+        )
+        if cfg.checkpointing.enabled
+        else None
+    )
     try:
         resume_from = choose_resume_point(checkpoints, cfg.model_dump(mode="json"))
     except StartupError as exc:
@@ -217,9 +228,15 @@ def evaluate(cfg: GRPOMasterConfig, raw: dict, checkpoint: str | None = None) ->
         say(str(exc))
         return EXIT_STARTUP
     try:
-        metrics, _ = validate(parts.generator, parts.envs, parts.val_datums, train_sampling(cfg),
-                              cfg.grpo.val_num_generations, cfg.grpo.val_batch_size,
-                              **validation_turns(cfg.grpo, cfg.policy, parts.tokenizer))
+        metrics, _ = validate(
+            parts.generator,
+            parts.envs,
+            parts.val_datums,
+            train_sampling(cfg),
+            cfg.grpo.val_num_generations,
+            cfg.grpo.val_batch_size,
+            **validation_turns(cfg.grpo, cfg.policy, parts.tokenizer),
+        )
         print(json.dumps(metrics, indent=2))
         return EXIT_OK
     finally:

@@ -32,11 +32,18 @@ class TrainerState:
         return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
 
-def save_checkpoint(manager, parts, state: TrainerState, metrics: dict[str, float] | None,
-                    extra_workers: dict | None = None, extra_files: dict | None = None) -> Path:
+def save_checkpoint(
+    manager,
+    parts,
+    state: TrainerState,
+    metrics: dict[str, float] | None,
+    extra_workers: dict | None = None,
+    extra_files: dict | None = None,
+) -> Path:
     """`extra_workers` (folder name -> actor with save/load, e.g. PPO's {"value": ...}) are saved beside the policy.
     `extra_files` (file stem -> object) are saved as state files `<stem>.{json,safetensors}`; the async loop's
     replay buffer and collector, whose "dataloader" (the collector's position) replaces the driver's."""
+
     def write(folder: Path) -> None:
         parts.policy.save(str(folder / "policy"))
         for name, group in (extra_workers or {}).items():

@@ -36,7 +36,7 @@ def resolve_model_path(name: str, key: str = "policy.model_name") -> str:
     """A local folder for `name`: bundled (`builtin:NAME`), a local path, or an HF hub cache hit."""
     if name.startswith(BUILTIN_PREFIX):
         try:
-            return str(builtin_model_path(name[len(BUILTIN_PREFIX):]))
+            return str(builtin_model_path(name[len(BUILTIN_PREFIX) :]))
         except ValueError as exc:
             raise StartupError(f"{key}: {exc}") from None
     path = Path(name).expanduser()
@@ -66,12 +66,16 @@ def check_supported(cfg: GRPOMasterConfig) -> list[str]:
     """
     gen = cfg.policy.generation
     if gen.weight_transport == "ipc" and (cfg.cluster.gpus_per_node == 0 or not gen.colocated.enabled):
-        raise StartupError("policy.generation.weight_transport: 'ipc' needs GPUs shared with the trainer "
-                           "(colocated on GPUs); use 'collective' or 'object_store'")
+        raise StartupError(
+            "policy.generation.weight_transport: 'ipc' needs GPUs shared with the trainer "
+            "(colocated on GPUs); use 'collective' or 'object_store'"
+        )
     res = gen.colocated.resources
     if (res.gpus_per_node or res.num_nodes) and (gen.colocated.enabled or cfg.cluster.gpus_per_node == 0):
-        raise StartupError("policy.generation.colocated.resources: GPUs of generation's own apply only with "
-                           "policy.generation.colocated.enabled: false on GPUs (cluster.gpus_per_node > 0); set them to null")
+        raise StartupError(
+            "policy.generation.colocated.resources: GPUs of generation's own apply only with "
+            "policy.generation.colocated.enabled: false on GPUs (cluster.gpus_per_node > 0); set them to null"
+        )
     warnings = []
     policy = cfg.policy
     for name in ("sequence_packing", "dynamic_batching"):
@@ -79,8 +83,10 @@ def check_supported(cfg: GRPOMasterConfig) -> list[str]:
         for field in ("train_mb_tokens", "logprob_mb_tokens"):
             budget = getattr(section, field)
             if section.enabled and budget < policy.max_total_sequence_length:
-                warnings.append(f"policy.{name}.{field}={budget} is below policy.max_total_sequence_length="
-                                f"{policy.max_total_sequence_length}: a longer sequence will stop training with an error")
+                warnings.append(
+                    f"policy.{name}.{field}={budget} is below policy.max_total_sequence_length="
+                    f"{policy.max_total_sequence_length}: a longer sequence will stop training with an error"
+                )
     return warnings
 
 
@@ -108,9 +114,11 @@ def check_engine_tensor_parallel(cfg: GRPOMasterConfig, model_path: str) -> None
     heads = int(text.num_attention_heads)
     kv = int(getattr(text, "num_key_value_heads", None) or heads)
     if heads % tp or (kv % tp and tp % kv):
-        raise StartupError(f"policy.generation.vllm_cfg.tensor_parallel_size: {tp} does not fit the model's "
-                           f"num_attention_heads={heads}, num_key_value_heads={kv} (vLLM needs it to divide the heads, "
-                           f"and to divide or be a multiple of the KV heads)")
+        raise StartupError(
+            f"policy.generation.vllm_cfg.tensor_parallel_size: {tp} does not fit the model's "
+            f"num_attention_heads={heads}, num_key_value_heads={kv} (vLLM needs it to divide the heads, "
+            f"and to divide or be a multiple of the KV heads)"
+        )
 
 
 def check_model_options(cfg: GRPOMasterConfig, model_path: str) -> None:
@@ -135,13 +143,16 @@ def check_model_options(cfg: GRPOMasterConfig, model_path: str) -> None:
         if (problem := tp_size_problem(AutoConfig.from_pretrained(model_path), tp)) is not None:
             raise StartupError(f"policy.dtensor_cfg.tensor_parallel_size: {problem}")
         dp = cfg.policy.num_workers // tp
-        if cfg.policy.precision != "float32" and not uses_fsdp(cfg.policy.dtensor_cfg, cfg.cluster.gpus_per_node > 0, dp):
+        if cfg.policy.precision != "float32" and not uses_fsdp(
+            cfg.policy.dtensor_cfg, cfg.cluster.gpus_per_node > 0, dp
+        ):
             raise StartupError(
                 f"policy.precision: {cfg.policy.precision} with policy.dtensor_cfg.tensor_parallel_size {tp} keeps its "
                 f"fp32 masters in FSDP2's mixed precision, and this run has no FSDP2 (policy.dtensor_cfg.enabled "
                 f"{cfg.policy.dtensor_cfg.enabled}, {dp} data-parallel rank(s), "
                 f"{'GPUs' if cfg.cluster.gpus_per_node else 'CPU ranks'}); set float32 or policy.dtensor_cfg.enabled "
-                f"true with more than one data-parallel rank")
+                f"true with more than one data-parallel rank"
+            )
     if cfg.policy.dtensor_cfg.context_parallel_size > 1:
         from transformers import AutoConfig
 
@@ -159,7 +170,9 @@ def check_model_options(cfg: GRPOMasterConfig, model_path: str) -> None:
     if cfg.value is not None and cfg.value.lora_cfg.enabled:
         from grpo_train.policy.lora import LoRAConfigError, check_lora_for_model_path  # torch: only for LoRA runs
 
-        value_path = resolve_model_path(cfg.value.model_name, "value.model_name") if cfg.value.model_name else model_path
+        value_path = (
+            resolve_model_path(cfg.value.model_name, "value.model_name") if cfg.value.model_name else model_path
+        )
         try:
             check_lora_for_model_path(value_path, cfg.value.lora_cfg, key="value.lora_cfg", backbone=True)
         except LoRAConfigError as exc:
@@ -211,8 +224,12 @@ def init_ray(cluster_cfg, env_vars: dict[str, str]) -> None:
     # Actor output (vLLM banners, HF progress bars) stays in Ray's log files unless asked for;
     # errors still reach the driver as exceptions.
     to_driver = os.environ.get("GRPO_ACTOR_LOGS", "0") == "1"
-    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": to_driver, "configure_logging": False,
-                              "runtime_env": {"env_vars": env_vars}}
+    kwargs: dict[str, Any] = {
+        "include_dashboard": False,
+        "log_to_driver": to_driver,
+        "configure_logging": False,
+        "runtime_env": {"env_vars": env_vars},
+    }
     if address:
         ray.init(address=address, **kwargs)
         return
@@ -233,8 +250,11 @@ def start_local_head(start, shutdown, attempts: int = RAY_START_ATTEMPTS, lock_p
             shutdown()
             if attempt == attempts:
                 raise
-            print(f"warning: Ray's local head did not start ({str(exc).splitlines()[0][:200]}); "
-                  f"starting it again (attempt {attempt + 1} of {attempts})", file=sys.stderr)
+            print(
+                f"warning: Ray's local head did not start ({str(exc).splitlines()[0][:200]}); "
+                f"starting it again (attempt {attempt + 1} of {attempts})",
+                file=sys.stderr,
+            )
 
 
 def ranks_per_node(cluster: ClusterConfig, num_workers: int) -> int:
@@ -260,9 +280,14 @@ def threads_per_actor(ranks_on_node: int = 1) -> int:
 def actor_env_vars() -> dict[str, str]:
     """Environment for every actor (thread counts, offline flags, Ray/vLLM switches)."""
     threads = str(threads_per_actor())
-    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
-           "OMP_WAIT_POLICY": "PASSIVE",  # idle actors' threads sleep (threads_per_actor gives each every core)
-           "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = {
+        "OMP_NUM_THREADS": threads,
+        "MKL_NUM_THREADS": threads,
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_WAIT_POLICY": "PASSIVE",  # idle actors' threads sleep (threads_per_actor gives each every core)
+        "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }
     for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME", "VLLM_CPU_KVCACHE_SPACE", "PYTHONPATH"):
         if key in os.environ:
             env[key] = os.environ[key]
@@ -277,7 +302,9 @@ def build_datasets(cfg: GRPOMasterConfig, tokenizer):
     from grpo_data.errors import DataError
 
     try:
-        splits = build_data(cfg.data.data_config(), tokenizer, chat_template_kwargs=cfg.policy.tokenizer.chat_template_kwargs)
+        splits = build_data(
+            cfg.data.data_config(), tokenizer, chat_template_kwargs=cfg.policy.tokenizer.chat_template_kwargs
+        )
     except (DataError, FileNotFoundError) as exc:
         raise StartupError(str(exc)) from None
     if not splits.train:
@@ -285,8 +312,10 @@ def build_datasets(cfg: GRPOMasterConfig, tokenizer):
     for ds in (*splits.train, *splits.validation):  # rows may name their own environment
         unknown = sorted(ds.env_names() - set(cfg.env))
         if unknown:
-            raise StartupError(f"data: dataset {ds.name!r} ({ds.source}) routes prompts to environment(s) {unknown}, "
-                               f"which the env section does not configure (configured: {sorted(cfg.env)})")
+            raise StartupError(
+                f"data: dataset {ds.name!r} ({ds.source}) routes prompts to environment(s) {unknown}, "
+                f"which the env section does not configure (configured: {sorted(cfg.env)})"
+            )
     val = splits.validation
     return splits.train, (None if not val else val[0] if len(val) == 1 else ConcatDataset(val))
 
@@ -332,9 +361,15 @@ def build_envs(cfg: GRPOMasterConfig) -> dict:
         env_class = env_cfg.class_
         if env_cfg.reward_fn is not None:
             env_class, settings = REWARD_FN_ENV, {"reward_fn": env_cfg.reward_fn}
-        pools[name] = EnvPool(name, settings, num_workers=env_cfg.num_workers, step_timeout_s=env_cfg.step_timeout_s,
-                              actor_options=env_actor_options(env_cfg.resources), env_class=env_class,
-                              import_paths=env_import_paths() if env_class is not None else ())
+        pools[name] = EnvPool(
+            name,
+            settings,
+            num_workers=env_cfg.num_workers,
+            step_timeout_s=env_cfg.step_timeout_s,
+            actor_options=env_actor_options(env_cfg.resources),
+            env_class=env_class,
+            import_paths=env_import_paths() if env_class is not None else (),
+        )
     return pools
 
 
@@ -355,8 +390,12 @@ def attach_generators(cfg: GRPOMasterConfig, policy, generator) -> None:
 
     gen_cfg = cfg.policy.generation
     lora = cfg.policy.dtensor_cfg.lora_cfg
-    name = choose_transport(gen_cfg.weight_transport, gen_cfg.colocated.enabled, cfg.cluster.gpus_per_node > 0,
-                            lora.refit if lora.enabled else None)
+    name = choose_transport(
+        gen_cfg.weight_transport,
+        gen_cfg.colocated.enabled,
+        cfg.cluster.gpus_per_node > 0,
+        lora.refit if lora.enabled else None,
+    )
     try:
         policy.attach(make_transport(name, gen_cfg.refit_buffer_size_gb), generator.engines)
     except (ValueError, NotImplementedError) as exc:
@@ -385,28 +424,52 @@ def engine_factories(cfg: GRPOMasterConfig, model_path: str, policy) -> list:
     gen_cfg = cfg.policy.generation
     if gen_cfg.backend == "vllm":
         vllm = gen_cfg.vllm_cfg
-        gen_kwargs = dict(dtype=vllm.precision, max_model_len=vllm.max_model_len, seed=cfg.grpo.seed,
-                          gpu_memory_utilization=vllm.gpu_memory_utilization, tensor_parallel_size=vllm.tensor_parallel_size,
-                          enforce_eager=vllm.enforce_eager, kv_cache_space_gb=vllm.kv_cache_space_gb,
-                          temperature_for_logprobs=gen_cfg.temperature)
+        gen_kwargs = dict(
+            dtype=vllm.precision,
+            max_model_len=vllm.max_model_len,
+            seed=cfg.grpo.seed,
+            gpu_memory_utilization=vllm.gpu_memory_utilization,
+            tensor_parallel_size=vllm.tensor_parallel_size,
+            enforce_eager=vllm.enforce_eager,
+            kv_cache_space_gb=vllm.kv_cache_space_gb,
+            temperature_for_logprobs=gen_cfg.temperature,
+        )
         lora = cfg.policy.dtensor_cfg.lora_cfg
         if lora.enabled and lora.refit == "adapter":  # LoRA-enabled engine; refits bring adapters only
             gen_kwargs = {**gen_kwargs, "lora_adapter": {"dim": lora.dim, "alpha": lora.alpha}}
     else:
-        gen_kwargs = dict(dtype=cfg.policy.precision, max_model_len=cfg.policy.max_total_sequence_length,
-                          seed=cfg.grpo.seed, temperature_for_logprobs=gen_cfg.temperature)
+        gen_kwargs = dict(
+            dtype=cfg.policy.precision,
+            max_model_len=cfg.policy.max_total_sequence_length,
+            seed=cfg.grpo.seed,
+            temperature_for_logprobs=gen_cfg.temperature,
+        )
     if cfg.grpo.async_grpo.enabled:  # the async engine (the config allows only vLLM here)
         flags = cfg.grpo.async_grpo  # in-flight pushes that keep old KV cannot reset a prefix cache
         prefix_caching = not (flags.in_flight_weight_updates and not flags.recompute_kv_cache_after_weight_updates)
         # On GPUs the engine takes its tensor-parallel GPUs (from policy.generation.colocated.resources, which
         # async GRPO requires to be separate); Ray then gives it those devices and no others.
         gpus = vllm.tensor_parallel_size if cfg.cluster.gpus_per_node > 0 else 0
-        return [partial(make_async_generation_actor, model_path, num_cpus=1, num_gpus=gpus,
-                        prefix_caching=prefix_caching, **gen_kwargs)]
+        return [
+            partial(
+                make_async_generation_actor,
+                model_path,
+                num_cpus=1,
+                num_gpus=gpus,
+                prefix_caching=prefix_caching,
+                **gen_kwargs,
+            )
+        ]
     resources = gen_cfg.colocated.resources
-    return generator_factories(gen_cfg.backend, model_path, gpus_per_node=cfg.cluster.gpus_per_node,
-                               colocated=gen_cfg.colocated.enabled, policy_placement_group=policy.placement_group,
-                               separate_gpus=(resources.gpus_per_node or 0) * (resources.num_nodes or 1), **gen_kwargs)
+    return generator_factories(
+        gen_cfg.backend,
+        model_path,
+        gpus_per_node=cfg.cluster.gpus_per_node,
+        colocated=gen_cfg.colocated.enabled,
+        policy_placement_group=policy.placement_group,
+        separate_gpus=(resources.gpus_per_node or 0) * (resources.num_nodes or 1),
+        **gen_kwargs,
+    )
 
 
 def build_components(cfg: GRPOMasterConfig, model_path: str) -> Components:
@@ -417,14 +480,26 @@ def build_components(cfg: GRPOMasterConfig, model_path: str) -> Components:
     # The actors start first: the engine's start-up is the longest wait of a launch, and the
     # tokenizer, the datasets and the environments are built meanwhile.
     threads = threads_per_actor(ranks_per_node(cfg.cluster, cfg.policy.num_workers))
-    policy = PolicyGroup(model_path, cfg.policy, cfg.loss_fn, cfg.cluster, cfg.grpo.seed, num_threads=threads,
-                         colocated_generation=cfg.policy.generation.colocated.enabled, start=False)
+    policy = PolicyGroup(
+        model_path,
+        cfg.policy,
+        cfg.loss_fn,
+        cfg.cluster,
+        cfg.grpo.seed,
+        num_threads=threads,
+        colocated_generation=cfg.policy.generation.colocated.enabled,
+        start=False,
+    )
     factories = engine_factories(cfg, model_path, policy)
     generator = start_engines(factories)
     # After the actors are on their way: importing transformers costs the driver ~2-7 CPU-s.
     from transformers import AutoTokenizer
 
-    tokenizer_path = resolve_model_path(cfg.policy.tokenizer.name, "policy.tokenizer.name") if cfg.policy.tokenizer.name else model_path
+    tokenizer_path = (
+        resolve_model_path(cfg.policy.tokenizer.name, "policy.tokenizer.name")
+        if cfg.policy.tokenizer.name
+        else model_path
+    )
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     train_sets, val_set = build_datasets(cfg, tokenizer)
     train_data = build_train_iterator(cfg, train_sets)
@@ -433,5 +508,6 @@ def build_components(cfg: GRPOMasterConfig, model_path: str) -> Components:
     memory = MemoryChoreography.for_run(cfg, policy, generator)
     memory.start_engines_first()  # colocated on GPUs: engines profile a clean GPU before the trainer moves in
     attach_generators(cfg, policy, generator)
-    return Components(model_path, tokenizer, train_data, val_datums, envs, policy, generator, train_sets, factories,
-                      memory)
+    return Components(
+        model_path, tokenizer, train_data, val_datums, envs, policy, generator, train_sets, factories, memory
+    )

@@ -59,12 +59,18 @@ def _encode(value: Any, tensors: dict, where: str) -> Any:
     if isinstance(value, dict):
         if all(isinstance(k, str) for k in value) and not any(k in _TAGS for k in value):
             return {k: _encode(v, tensors, f"{where}.{k}") for k, v in value.items()}
-        return {_ITEMS: [[_encode(k, tensors, where), _encode(v, tensors, f"{where}[{k!r}]")] for k, v in value.items()]}
+        return {
+            _ITEMS: [[_encode(k, tensors, where), _encode(v, tensors, f"{where}[{k!r}]")] for k, v in value.items()]
+        }
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = {f.name: _encode(getattr(value, f.name), tensors, f"{where}.{f.name}") for f in dataclasses.fields(value)}
+        fields = {
+            f.name: _encode(getattr(value, f.name), tensors, f"{where}.{f.name}") for f in dataclasses.fields(value)
+        }
         return {_DATACLASS: _type_name(type(value)), "fields": fields}
-    raise TypeError(f"{where}: cannot store a {type(value).__name__} in a state file (tensors, numbers, "
-                    "strings, lists, tuples, dicts and allow-listed dataclasses only)")
+    raise TypeError(
+        f"{where}: cannot store a {type(value).__name__} in a state file (tensors, numbers, "
+        "strings, lists, tuples, dicts and allow-listed dataclasses only)"
+    )
 
 
 def _decode(value: Any, tensors: dict, types: dict[str, type], where: str) -> Any:
@@ -79,7 +85,9 @@ def _decode(value: Any, tensors: dict, types: dict[str, type], where: str) -> An
     if _TUPLE in value:
         return tuple(_decode(v, tensors, types, where) for v in value[_TUPLE])
     if _ITEMS in value:
-        return {_hashable(_decode(k, tensors, types, where)): _decode(v, tensors, types, where) for k, v in value[_ITEMS]}
+        return {
+            _hashable(_decode(k, tensors, types, where)): _decode(v, tensors, types, where) for k, v in value[_ITEMS]
+        }
     if _DATACLASS in value:
         cls = types.get(value[_DATACLASS])
         if cls is None:
@@ -144,7 +152,9 @@ def _files(folder: Path) -> list[str]:
 def write_manifest(folder: Path) -> None:
     """Hash every file under `folder` into `folder/manifest.json`."""
     folder = Path(folder)
-    files = {rel: {"size": (folder / rel).stat().st_size, HASH_ALGORITHM: file_hash(folder / rel)} for rel in _files(folder)}
+    files = {
+        rel: {"size": (folder / rel).stat().st_size, HASH_ALGORITHM: file_hash(folder / rel)} for rel in _files(folder)
+    }
     manifest = {"format": MANIFEST_FORMAT, "algorithm": HASH_ALGORITHM, "files": files}
     (folder / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1, sort_keys=True), encoding="utf-8")
 

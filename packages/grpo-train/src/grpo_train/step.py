@@ -43,9 +43,13 @@ def sampling_spec(gen: GenerationConfig, n: int) -> SamplingSpec:
     """policy.generation's sampling, `n` samples per prompt (grpo.num_generations_per_prompt, or
     grpo.val_num_generations where validation asks)."""
     return SamplingSpec(
-        temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k if gen.top_k is not None else -1,
-        max_new_tokens=gen.max_new_tokens, stop_token_ids=tuple(gen.stop_token_ids or ()),
-        stop_strings=tuple(gen.stop_strings or ()), n=n,
+        temperature=gen.temperature,
+        top_p=gen.top_p,
+        top_k=gen.top_k if gen.top_k is not None else -1,
+        max_new_tokens=gen.max_new_tokens,
+        stop_token_ids=tuple(gen.stop_token_ids or ()),
+        stop_strings=tuple(gen.stop_strings or ()),
+        n=n,
     )
 
 
@@ -137,15 +141,22 @@ class RunClock:
         return self.deadline.step_done() and step < last
 
 
-def run_validation(cfg: GRPOMasterConfig, parts, logger, step: int,
-                   engines: EngineSupervisor | None = None) -> dict[str, float]:
+def run_validation(
+    cfg: GRPOMasterConfig, parts, logger, step: int, engines: EngineSupervisor | None = None
+) -> dict[str, float]:
     if not parts.val_datums:
         return {}
 
     def attempt():
-        return validate(parts.generator, parts.envs, parts.val_datums, train_sampling(cfg),
-                        cfg.grpo.val_num_generations, cfg.grpo.val_batch_size,
-                        **validation_turns(cfg.grpo, cfg.policy, parts.tokenizer))
+        return validate(
+            parts.generator,
+            parts.envs,
+            parts.val_datums,
+            train_sampling(cfg),
+            cfg.grpo.val_num_generations,
+            cfg.grpo.val_batch_size,
+            **validation_turns(cfg.grpo, cfg.policy, parts.tokenizer),
+        )
 
     metrics, samples = attempt() if engines is None else engines.retry("validation", attempt)
     logger.log(metrics, step, split="val")
@@ -153,8 +164,9 @@ def run_validation(cfg: GRPOMasterConfig, parts, logger, step: int,
     return metrics
 
 
-def validate_at_start(cfg: GRPOMasterConfig, parts, logger, state: TrainerState, engines: EngineSupervisor,
-                      memory: MemoryChoreography) -> None:
+def validate_at_start(
+    cfg: GRPOMasterConfig, parts, logger, state: TrainerState, engines: EngineSupervisor, memory: MemoryChoreography
+) -> None:
     """grpo.val_at_start: the step-0 validation of a fresh run (a resumed run skips it)."""
     if state.step == 0 and cfg.grpo.val_at_start:
         memory.for_generation()
@@ -171,8 +183,9 @@ def collect_rollouts(cfg: GRPOMasterConfig, parts, sampling: SamplingSpec, state
     return fill_with_signal(cfg, parts, sampling, state, result)
 
 
-def generate_step(cfg: GRPOMasterConfig, parts, sampling: SamplingSpec, state: TrainerState, step: int,
-                  engines: EngineSupervisor):
+def generate_step(
+    cfg: GRPOMasterConfig, parts, sampling: SamplingSpec, state: TrainerState, step: int, engines: EngineSupervisor
+):
     """Reseed the engines for `step` and collect its rollouts; after an engine restart, again from
     the same data position (same prompts, same seed, same weights: the same samples)."""
     position, consumed = parts.train_data.state_dict(), state.consumed_prompts
@@ -188,8 +201,16 @@ def generate_step(cfg: GRPOMasterConfig, parts, sampling: SamplingSpec, state: T
     return engines.retry("generation", attempt, rewind)
 
 
-def generate_phase(cfg: GRPOMasterConfig, parts, sampling: SamplingSpec, state: TrainerState, step: int,
-                   engines: EngineSupervisor, memory: MemoryChoreography, timer: PhaseTimer):
+def generate_phase(
+    cfg: GRPOMasterConfig,
+    parts,
+    sampling: SamplingSpec,
+    state: TrainerState,
+    step: int,
+    engines: EngineSupervisor,
+    memory: MemoryChoreography,
+    timer: PhaseTimer,
+):
     """The synchronous loops' rollout phase: engines in the generation phase, `generate_step`,
     its generate/reward times, the rewards recorded for the samplers that read them."""
     memory.for_generation()
@@ -200,8 +221,15 @@ def generate_phase(cfg: GRPOMasterConfig, parts, sampling: SamplingSpec, state: 
     return result, sampling_metrics
 
 
-def batch_with_logprobs(cfg: GRPOMasterConfig, parts, memory: MemoryChoreography, timer: PhaseTimer, rollouts: list,
-                        pad: int, prepare: Callable = prepare_batch) -> tuple[dict, dict[str, float]]:
+def batch_with_logprobs(
+    cfg: GRPOMasterConfig,
+    parts,
+    memory: MemoryChoreography,
+    timer: PhaseTimer,
+    rollouts: list,
+    pad: int,
+    prepare: Callable = prepare_batch,
+) -> tuple[dict, dict[str, float]]:
     """The batch of `rollouts` (`prepare`: `train_step.prepare_batch`, or PPO's), then the
     trainer's phase and the prev (and ref) logprobs under the start-of-step weights."""
     batch, metrics = prepare(cfg.grpo, cfg.policy, rollouts, pad)
@@ -211,10 +239,17 @@ def batch_with_logprobs(cfg: GRPOMasterConfig, parts, memory: MemoryChoreography
     return batch, metrics
 
 
-def push_and_check(cfg: GRPOMasterConfig, parts, engines: EngineSupervisor, memory: MemoryChoreography,
-                   timer: PhaseTimer, state: TrainerState, rollouts: list,
-                   push: Callable[[int], object] | None = None,
-                   before_push: Callable[[int], object] | None = None) -> dict[str, float]:
+def push_and_check(
+    cfg: GRPOMasterConfig,
+    parts,
+    engines: EngineSupervisor,
+    memory: MemoryChoreography,
+    timer: PhaseTimer,
+    state: TrainerState,
+    rollouts: list,
+    push: Callable[[int], object] | None = None,
+    before_push: Callable[[int], object] | None = None,
+) -> dict[str, float]:
     """The refit phase: bump the weight version, push the trained weights into the engines
     (`push(version)`, by default `refit.push_weights`; retried through the engine-fault
     supervisor, `before_push(version)` once before it), then the refit check when due
@@ -252,9 +287,17 @@ def due_at_end(cfg: GRPOMasterConfig, checkpoints, step: int, last: int, stop: b
     return due_val, due_ckpt
 
 
-def validate_and_save(cfg: GRPOMasterConfig, parts, logger, step: int, due_val: bool, due_ckpt: bool,
-                      engines: EngineSupervisor, memory: MemoryChoreography,
-                      save: Callable[[dict[str, float] | None], object]) -> None:
+def validate_and_save(
+    cfg: GRPOMasterConfig,
+    parts,
+    logger,
+    step: int,
+    due_val: bool,
+    due_ckpt: bool,
+    engines: EngineSupervisor,
+    memory: MemoryChoreography,
+    save: Callable[[dict[str, float] | None], object],
+) -> None:
     """Validation when due, then `save(metrics)` when a checkpoint is due, ranked by the
     validation's metrics (as val_*) when there are any."""
     val_metrics = {}
@@ -266,15 +309,34 @@ def validate_and_save(cfg: GRPOMasterConfig, parts, logger, step: int, due_val: 
         save({f"val_{k}": v for k, v in val_metrics.items()} if val_metrics else None)
 
 
-def end_of_step(cfg: GRPOMasterConfig, parts, logger, checkpoints, state: TrainerState, last: int, clock: RunClock,
-                engines: EngineSupervisor, memory: MemoryChoreography, extra_workers: dict | None = None) -> bool:
+def end_of_step(
+    cfg: GRPOMasterConfig,
+    parts,
+    logger,
+    checkpoints,
+    state: TrainerState,
+    last: int,
+    clock: RunClock,
+    engines: EngineSupervisor,
+    memory: MemoryChoreography,
+    extra_workers: dict | None = None,
+) -> bool:
     """The synchronous loops' end of a step: validation and a checkpoint when due (`due_at_end`);
     True when the save deadline stops the run here (announced)."""
     step = state.step
     stop = clock.must_stop(step, last)
     due_val, due_ckpt = due_at_end(cfg, checkpoints, step, last, stop)
-    validate_and_save(cfg, parts, logger, step, due_val, due_ckpt, engines, memory,
-                      lambda metrics: save_checkpoint(checkpoints, parts, state, metrics, extra_workers))
+    validate_and_save(
+        cfg,
+        parts,
+        logger,
+        step,
+        due_val,
+        due_ckpt,
+        engines,
+        memory,
+        lambda metrics: save_checkpoint(checkpoints, parts, state, metrics, extra_workers),
+    )
     if stop:
         clock.deadline.announce(step)
     return stop
@@ -304,8 +366,9 @@ class SyncRun:
         return self.state.step + 1
 
     def generate(self, step: int):
-        return generate_phase(self.cfg, self.parts, self.sampling, self.state, step, self.engines, self.memory,
-                              self.timer)
+        return generate_phase(
+            self.cfg, self.parts, self.sampling, self.state, step, self.engines, self.memory, self.timer
+        )
 
     def batch(self, rollouts: list, prepare: Callable = prepare_batch) -> tuple[dict, dict[str, float]]:
         return batch_with_logprobs(self.cfg, self.parts, self.memory, self.timer, rollouts, self.pad, prepare)
@@ -313,13 +376,30 @@ class SyncRun:
     def push_and_check(self, rollouts: list) -> dict[str, float]:
         return push_and_check(self.cfg, self.parts, self.engines, self.memory, self.timer, self.state, rollouts)
 
-    def finish(self, step: int, metrics: dict, result, sampling_metrics: dict, extra: dict | None = None,
-               extra_workers: dict | None = None) -> bool:
+    def finish(
+        self,
+        step: int,
+        metrics: dict,
+        result,
+        sampling_metrics: dict,
+        extra: dict | None = None,
+        extra_workers: dict | None = None,
+    ) -> bool:
         """`step` done: the state advanced, its metrics (then `extra`) logged, validation and a
         checkpoint when due (`extra_workers` saved beside the policy). True when the run stops here."""
         self.state.step = step
         self.state.epoch = getattr(self.parts.train_data, "epoch", 0)
         metrics |= step_metrics(result, sampling_metrics, self.timer, self.engines) | (extra or {})
         self.logger.log(metrics | self.clock.startup_metrics(), step)
-        return end_of_step(self.cfg, self.parts, self.logger, self.checkpoints, self.state, self.last, self.clock,
-                           self.engines, self.memory, extra_workers)
+        return end_of_step(
+            self.cfg,
+            self.parts,
+            self.logger,
+            self.checkpoints,
+            self.state,
+            self.last,
+            self.clock,
+            self.engines,
+            self.memory,
+            extra_workers,
+        )

@@ -17,8 +17,9 @@ from grpo_train.group_estimators import GroupBatch, estimate_advantages, kl_in_r
 from grpo_train.refit import check as refit_check
 
 
-def prepare_batch(grpo: GRPOConfig, policy: PolicyConfig, rollouts: list[Rollout],
-                  pad_id: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+def prepare_batch(
+    grpo: GRPOConfig, policy: PolicyConfig, rollouts: list[Rollout], pad_id: int
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Rewards -> (scaled, shaped) -> [B, S] tensors, plus reward metrics; advantages come in
     `add_advantages`, after the logprobs (the in-reward KL and the logprob-error mask need them).
 
@@ -33,8 +34,9 @@ def prepare_batch(grpo: GRPOConfig, policy: PolicyConfig, rollouts: list[Rollout
     sample_mask = torch.tensor([r.loss_multiplier for r in rollouts], dtype=torch.float32)
     if grpo.overlong_filtering:
         sample_mask = sample_mask * (~truncated).float()
-    batch = build_train_batch(rollouts, torch.zeros(len(rollouts)), sample_mask, pad_id,
-                              policy.make_sequence_length_divisible_by)
+    batch = build_train_batch(
+        rollouts, torch.zeros(len(rollouts)), sample_mask, pad_id, policy.make_sequence_length_divisible_by
+    )
     batch["scores"] = shaped  # [B] reward after scaling and shaping
     signal = groups_with_signal(shaped, n)
     metrics = {
@@ -58,14 +60,17 @@ def reward_components(rollouts: list[Rollout]) -> torch.Tensor:
     for i, r in enumerate(rollouts):
         comp = r.env_metadata.get("reward_components") or {}
         if sorted(comp) != names:
-            raise ValueError(f"sample {i}: reward_components {sorted(comp)} differ from sample 0's {names} "
-                             f"(grpo.adv_estimator.name 'gdpo' needs the same components on every sample)")
+            raise ValueError(
+                f"sample {i}: reward_components {sorted(comp)} differ from sample 0's {names} "
+                f"(grpo.adv_estimator.name 'gdpo' needs the same components on every sample)"
+            )
         rows.append([float(comp[k]) for k in names])
     return torch.tensor(rows, dtype=torch.float32).view(len(rollouts), len(names))
 
 
-def add_advantages(grpo: GRPOConfig, loss: LossConfig, rollouts: list[Rollout],
-                   batch: dict[str, torch.Tensor]) -> dict[str, float]:
+def add_advantages(
+    grpo: GRPOConfig, loss: LossConfig, rollouts: list[Rollout], batch: dict[str, torch.Tensor]
+) -> dict[str, float]:
     """The estimator's [B, S] advantages into `batch` (after `add_logprobs`), then the logprob-error
     mask; returns their metrics. Masks set after the advantages (overlong filtering, logprob error)
     keep a sample in its group's baseline and only zero its loss."""
@@ -73,17 +78,30 @@ def add_advantages(grpo: GRPOConfig, loss: LossConfig, rollouts: list[Rollout],
     components = reward_components(rollouts) if grpo.adv_estimator.name == "gdpo" else None  # [B, K]
     kl = None
     if loss.use_kl_in_reward:
-        kl = kl_in_reward(batch["prev_logprobs"], batch["ref_logprobs"], batch["token_mask"],
-                          loss.reference_policy_kl_penalty, loss.reference_policy_kl_type,
-                          loss.kl_input_clamp_value, loss.kl_output_clamp_value)
-    x = GroupBatch(rewards=batch["scores"], valid=baseline_mask > 0, token_mask=batch["token_mask"],
-                   group_size=grpo.num_generations_per_prompt, components=components, kl_penalty=kl)
+        kl = kl_in_reward(
+            batch["prev_logprobs"],
+            batch["ref_logprobs"],
+            batch["token_mask"],
+            loss.reference_policy_kl_penalty,
+            loss.reference_policy_kl_type,
+            loss.kl_input_clamp_value,
+            loss.kl_output_clamp_value,
+        )
+    x = GroupBatch(
+        rewards=batch["scores"],
+        valid=baseline_mask > 0,
+        token_mask=batch["token_mask"],
+        group_size=grpo.num_generations_per_prompt,
+        components=components,
+        kl_penalty=kl,
+    )
     batch["advantages"] = estimate_advantages(grpo, x)
     mask = batch["token_mask"]
     metrics: dict[str, float] = {}
     if grpo.invalid_tool_call_advantage is not None:
         metrics["invalid_tool_call_tokens"] = replace_invalid_call_advantages(
-            batch, rollouts, grpo.invalid_tool_call_advantage)
+            batch, rollouts, grpo.invalid_tool_call_advantage
+        )
     metrics["advantage_abs_mean"] = float((batch["advantages"].abs() * mask).sum() / mask.sum().clamp(min=1))
     if kl is not None:
         metrics["reward_kl_penalty"] = float(kl.sum() / mask.sum().clamp(min=1))
@@ -124,8 +142,13 @@ def reuses_prev_logprobs(cfg: GRPOMasterConfig) -> bool:
     also checks the batch: one optimizer step, same micro-batches): sync GRPO on one worker, and
     nothing reads prev before training (the in-reward KL, the logprob-error mask). Async and PPO
     keep their own pass (their prev must be the weights the samples came from, or several steps' start)."""
-    return (cfg.algorithm == "grpo" and not cfg.grpo.async_grpo.enabled and cfg.policy.num_workers == 1
-            and not cfg.loss_fn.use_kl_in_reward and cfg.grpo.seq_logprob_error_threshold is None)
+    return (
+        cfg.algorithm == "grpo"
+        and not cfg.grpo.async_grpo.enabled
+        and cfg.policy.num_workers == 1
+        and not cfg.loss_fn.use_kl_in_reward
+        and cfg.grpo.seq_logprob_error_threshold is None
+    )
 
 
 @dataclass(frozen=True)
@@ -164,10 +187,13 @@ def refit_limits(cfg: GRPOMasterConfig) -> refit_check.RefitLimits:
     check = cfg.grpo.refit_check
     return refit_check.RefitLimits(
         max_abs_diff=check.max_abs_logprob_diff if check.max_abs_logprob_diff is not None else default.max_abs_diff,
-        mean_abs_diff=(check.max_mean_abs_logprob_diff if check.max_mean_abs_logprob_diff is not None
-                       else default.mean_abs_diff),
-        seq_logratio_rms=(check.max_seq_logratio_rms if check.max_seq_logratio_rms is not None
-                          else default.seq_logratio_rms))
+        mean_abs_diff=(
+            check.max_mean_abs_logprob_diff if check.max_mean_abs_logprob_diff is not None else default.mean_abs_diff
+        ),
+        seq_logratio_rms=(
+            check.max_seq_logratio_rms if check.max_seq_logratio_rms is not None else default.seq_logratio_rms
+        ),
+    )
 
 
 def probe_size(cfg: GRPOMasterConfig) -> int:
@@ -179,7 +205,9 @@ def probe_size(cfg: GRPOMasterConfig) -> int:
 
 def gate_precision_of(cfg: GRPOMasterConfig) -> str:
     """The coarser of the trainer's and the engine's precision (the HF generator runs in policy.precision)."""
-    engine = cfg.policy.generation.vllm_cfg.precision if cfg.policy.generation.backend == "vllm" else cfg.policy.precision
+    engine = (
+        cfg.policy.generation.vllm_cfg.precision if cfg.policy.generation.backend == "vllm" else cfg.policy.precision
+    )
     return refit_check.gate_precision(cfg.policy.precision, engine)
 
 

@@ -15,9 +15,18 @@ from grpo_train.rollout import rollout
 from grpo_train.rollout.multi_turn import multi_turn_rollout
 
 
-def validate(generator, envs: dict, datums: list, sampling: SamplingSpec, num_generations: int, batch_size: int,
-             *, max_turns: int = 1, tokenizer=None, max_total_len: int | None = None,
-             ) -> tuple[dict[str, float], list[dict]]:
+def validate(
+    generator,
+    envs: dict,
+    datums: list,
+    sampling: SamplingSpec,
+    num_generations: int,
+    batch_size: int,
+    *,
+    max_turns: int = 1,
+    tokenizer=None,
+    max_total_len: int | None = None,
+) -> tuple[dict[str, float], list[dict]]:
     """Metrics over the validation set and a few samples to print.
 
     With one generation per prompt decoding is greedy and accuracy = pass@1. With k > 1
@@ -43,8 +52,10 @@ def validate(generator, envs: dict, datums: list, sampling: SamplingSpec, num_ge
             rewards.extend(r.reward for r in group)
             lengths.extend(len(r.response_ids) for r in group)
         if not samples:
-            samples = [{"prompt": chunk[r.prompt_index].message_log[-1]["content"], "response": r.text, "reward": r.reward}
-                       for r in result.rollouts[: 4 * num_generations]]
+            samples = [
+                {"prompt": chunk[r.prompt_index].message_log[-1]["content"], "response": r.text, "reward": r.reward}
+                for r in result.rollouts[: 4 * num_generations]
+            ]
     n = max(len(datums), 1)
     metrics = {
         "accuracy": sum(rewards) / max(len(rewards), 1),
@@ -59,4 +70,8 @@ def validate(generator, envs: dict, datums: list, sampling: SamplingSpec, num_ge
 
 def validation_turns(grpo: GRPOConfig, policy: PolicyConfig, tokenizer) -> dict:
     """The multi-turn keywords of `validate` for a run: as many turns as training rolls out."""
-    return {"max_turns": grpo.max_rollout_turns, "tokenizer": tokenizer, "max_total_len": policy.max_total_sequence_length}
+    return {
+        "max_turns": grpo.max_rollout_turns,
+        "tokenizer": tokenizer,
+        "max_total_len": policy.max_total_sequence_length,
+    }

@@ -43,5 +43,14 @@ from grpo_envs.sandbox.runner import (
     sandbox_mode,
 )
 
-__all__ = ["JAIL_LAYERS", "LAYERS", "STATUSES", "Isolation", "SandboxLimits", "SandboxResult", "SandboxUnavailable",
-           "run_python", "sandbox_mode"]
+__all__ = [
+    "JAIL_LAYERS",
+    "LAYERS",
+    "STATUSES",
+    "Isolation",
+    "SandboxLimits",
+    "SandboxResult",
+    "SandboxUnavailable",
+    "run_python",
+    "sandbox_mode",
+]

@@ -36,13 +36,32 @@ _VALUE_CHARS = 1 << 20
 
 # Python-level events that no solution needs: reported as violations (diagnostic; the jail
 # contains them anyway).
-_DENIED_EVENTS = frozenset({
-    "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
-    "subprocess.Popen", "pty.spawn", "os.killpg", "signal.pthread_kill",
-    "socket.__new__", "socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg",
-    "socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyaddr",
-    "os.setuid", "os.setgid", "os.chroot", "sys.remote_exec",
-})
+_DENIED_EVENTS = frozenset(
+    {
+        "os.system",
+        "os.exec",
+        "os.posix_spawn",
+        "os.spawn",
+        "os.fork",
+        "os.forkpty",
+        "subprocess.Popen",
+        "pty.spawn",
+        "os.killpg",
+        "signal.pthread_kill",
+        "socket.__new__",
+        "socket.connect",
+        "socket.bind",
+        "socket.sendto",
+        "socket.sendmsg",
+        "socket.getaddrinfo",
+        "socket.gethostbyname",
+        "socket.gethostbyaddr",
+        "os.setuid",
+        "os.setgid",
+        "os.chroot",
+        "sys.remote_exec",
+    }
+)
 
 
 def main(job_data: bytes) -> None:
@@ -166,7 +185,11 @@ def _to_json(value) -> str:
     if isinstance(value, int):
         return int.__repr__(value)
     if isinstance(value, float):
-        return float.__repr__(value) if math.isfinite(value) else ("NaN" if value != value else "Infinity" if value > 0 else "-Infinity")
+        return (
+            float.__repr__(value)
+            if math.isfinite(value)
+            else ("NaN" if value != value else "Infinity" if value > 0 else "-Infinity")
+        )
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_to_json(v) for v in value) + "]"
     if isinstance(value, dict):

@@ -160,14 +160,21 @@ def run_python(
         with open(input_path, "rb") as stdin_file:
             try:
                 proc = subprocess.Popen(
-                    argv, stdin=stdin_file, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                    pass_fds=(result_w,), env=_clean_environment(), start_new_session=True,
+                    argv,
+                    stdin=stdin_file,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    pass_fds=(result_w,),
+                    env=_clean_environment(),
+                    start_new_session=True,
                 )
             finally:
                 os.close(result_w)
                 result_w = -1
         started = time.monotonic()
-        stdout, stderr, result, stop = _collect([proc.stdout.fileno(), proc.stderr.fileno(), result_r], limits, deadline_s)
+        stdout, stderr, result, stop = _collect(
+            [proc.stdout.fileno(), proc.stderr.fileno(), result_r], limits, deadline_s
+        )
         _kill(proc)
         log = log_path.read_text(errors="replace")[-_LOG_TAIL:] if log_path.exists() else ""
         res = _classify(stdout, stderr, result, stop, proc.returncode, log)
@@ -175,7 +182,9 @@ def run_python(
         res.isolation = dict(mode.layers, audit=isolation.audit_hook)
         return res
     except OSError as exc:
-        return SandboxResult("sandbox_error", error=f"could not run the sandbox: {exc}", wall_s=time.monotonic() - started)
+        return SandboxResult(
+            "sandbox_error", error=f"could not run the sandbox: {exc}", wall_s=time.monotonic() - started
+        )
     finally:
         for fd in (result_r, result_w):
             if fd >= 0:
@@ -196,29 +205,62 @@ class _Mode:
     cgroup: str | None = None
     """"v1" or "v2" when the run gets memory and pids cgroups (root only)."""
 
-    def command(self, job_path: Path, log_path: Path, limits: SandboxLimits, isolation: Isolation, wall_s: float,
-                result_fd: int) -> list[str]:
+    def command(
+        self, job_path: Path, log_path: Path, limits: SandboxLimits, isolation: Isolation, wall_s: float, result_fd: int
+    ) -> list[str]:
         python = _interpreter(isolation.site_packages)
         child = [python, "-I", *(() if isolation.site_packages else ("-S",)), "-X", "utf8"]
         if not self.jail:
             return [*child, str(_CHILD_SCRIPT), str(job_path)]
         return [
-            *_nsjail_args(self, limits, isolation, wall_s, log_path), "--pass_fd", str(result_fd),
-            "-R", f"{job_path}:/sandbox/job.bin", "-R", f"{_CHILD_SCRIPT}:/sandbox/child.py",
-            "--", *child, "/sandbox/child.py", "/sandbox/job.bin",
+            *_nsjail_args(self, limits, isolation, wall_s, log_path),
+            "--pass_fd",
+            str(result_fd),
+            "-R",
+            f"{job_path}:/sandbox/job.bin",
+            "-R",
+            f"{_CHILD_SCRIPT}:/sandbox/child.py",
+            "--",
+            *child,
+            "/sandbox/child.py",
+            "/sandbox/job.bin",
         ]
 
 
 def _nsjail_args(mode: _Mode, limits: SandboxLimits, isolation: Isolation, wall_s: float, log_path: Path) -> list[str]:
-    args = [mode.nsjail, "--mode", "o", "--log", str(log_path), "--quiet",
-            "--hostname", "sandbox", "--iface_no_lo", "--cwd", "/tmp",
-            "--time_limit", str(math.ceil(wall_s) + 1),
-            "--rlimit_cpu", str(max(1, math.ceil(limits.cpu_time_s))),
-            "--rlimit_as", str(limits.memory_mb), "--rlimit_fsize", str(limits.file_size_mb),
-            "--rlimit_nofile", str(limits.max_open_files), "--rlimit_nproc", str(limits.max_processes),
-            "--rlimit_core", "0", "--seccomp_string", SECCOMP_POLICY,
-            "-m", f"none:/tmp:tmpfs:size={limits.tmpfs_mb * 2**20}",
-            "-m", "none:/dev/shm:tmpfs:size=1048576"]
+    args = [
+        mode.nsjail,
+        "--mode",
+        "o",
+        "--log",
+        str(log_path),
+        "--quiet",
+        "--hostname",
+        "sandbox",
+        "--iface_no_lo",
+        "--cwd",
+        "/tmp",
+        "--time_limit",
+        str(math.ceil(wall_s) + 1),
+        "--rlimit_cpu",
+        str(max(1, math.ceil(limits.cpu_time_s))),
+        "--rlimit_as",
+        str(limits.memory_mb),
+        "--rlimit_fsize",
+        str(limits.file_size_mb),
+        "--rlimit_nofile",
+        str(limits.max_open_files),
+        "--rlimit_nproc",
+        str(limits.max_processes),
+        "--rlimit_core",
+        "0",
+        "--seccomp_string",
+        SECCOMP_POLICY,
+        "-m",
+        f"none:/tmp:tmpfs:size={limits.tmpfs_mb * 2**20}",
+        "-m",
+        "none:/dev/shm:tmpfs:size=1048576",
+    ]
     for key, value in (("HOME", "/tmp"), ("TMPDIR", "/tmp"), *_clean_environment().items()):
         args += ["--env", f"{key}={value}"]
     if os.geteuid() == 0:
@@ -227,11 +269,24 @@ def _nsjail_args(mode: _Mode, limits: SandboxLimits, isolation: Isolation, wall_
     else:
         args += ["--user", str(_INSIDE_ID), "--group", str(_INSIDE_ID)]  # mapped to the caller's own uid
     if mode.cgroup == "v1":
-        args += ["--cgroup_mem_max", str(limits.memory_mb * 2**20), "--cgroup_pids_max", str(limits.max_processes),
-                 "--cgroup_mem_parent", _CGROUP_PARENT, "--cgroup_pids_parent", _CGROUP_PARENT]
+        args += [
+            "--cgroup_mem_max",
+            str(limits.memory_mb * 2**20),
+            "--cgroup_pids_max",
+            str(limits.max_processes),
+            "--cgroup_mem_parent",
+            _CGROUP_PARENT,
+            "--cgroup_pids_parent",
+            _CGROUP_PARENT,
+        ]
     elif mode.cgroup == "v2":
-        args += ["--use_cgroupv2", "--cgroup_mem_max", str(limits.memory_mb * 2**20),
-                 "--cgroup_pids_max", str(limits.max_processes)]
+        args += [
+            "--use_cgroupv2",
+            "--cgroup_mem_max",
+            str(limits.memory_mb * 2**20),
+            "--cgroup_pids_max",
+            str(limits.max_processes),
+        ]
     for path in _runtime_paths(isolation.site_packages):
         args += ["-R", path]
     args += ["-B", "/dev/null", "-R", "/dev/zero", "-R", "/dev/urandom", "-R", "/dev/random"]
@@ -316,7 +371,9 @@ def _probe_run(mode: _Mode, isolation: Isolation) -> str | None:
         job.write_bytes(marshal.dumps({"source": "pass", "call": None, "limits": {}, "audit": False, "result_fd": w}))
         log = Path(tmp, "jail.log")
         job.chmod(0o644)
-        argv = mode.command(job, log, SandboxLimits(), Isolation(audit_hook=False, site_packages=isolation.site_packages), 30, w)
+        argv = mode.command(
+            job, log, SandboxLimits(), Isolation(audit_hook=False, site_packages=isolation.site_packages), 30, w
+        )
         try:
             proc = subprocess.run(argv, pass_fds=(w,), stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
             os.close(w)
@@ -430,12 +487,20 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-def _classify(stdout: bytes, stderr: bytes, result: bytes, stop: str | None, returncode: int | None, log: str) -> SandboxResult:
+def _classify(
+    stdout: bytes, stderr: bytes, result: bytes, stop: str | None, returncode: int | None, log: str
+) -> SandboxResult:
     out = stdout.decode("utf-8", "replace")
     err = stderr.decode("utf-8", "replace")
     reply, started, violations = _result_lines(result)
     res = SandboxResult("runtime_error", out, err, returncode=returncode)
-    signum = returncode - 128 if returncode is not None and returncode > 128 else -returncode if returncode and returncode < 0 else None
+    signum = (
+        returncode - 128
+        if returncode is not None and returncode > 128
+        else -returncode
+        if returncode and returncode < 0
+        else None
+    )
     if violations or returncode == VIOLATION_EXIT:
         res.status, res.error = "violation", "; ".join(violations) or "audit hook"
     elif signum == signal.SIGSYS:
@@ -445,13 +510,18 @@ def _classify(stdout: bytes, stderr: bytes, result: bytes, stop: str | None, ret
         res.error = "wall-clock limit" if stop == "timeout" else "output limit"
     elif not started:
         res.status = "sandbox_error"
-        res.error = reply.get("error") or f"the sandbox did not start (exit code {returncode}): {log.strip()[-_LOG_TAIL:]}"
+        res.error = (
+            reply.get("error") or f"the sandbox did not start (exit code {returncode}): {log.strip()[-_LOG_TAIL:]}"
+        )
     elif reply.get("status") in STATUSES and returncode == 0:
         res.status, res.error = reply["status"], reply.get("error")
         res.value = reply.get("value")
     elif signum is not None:
         if signum in (signal.SIGXCPU, signal.SIGKILL):
-            res.status, res.error = "timeout", "CPU time limit" if signum == signal.SIGXCPU else "killed (CPU time limit)"
+            res.status, res.error = (
+                "timeout",
+                "CPU time limit" if signum == signal.SIGXCPU else "killed (CPU time limit)",
+            )
         elif signum == signal.SIGXFSZ:
             res.status, res.error = "output_limit", "file size limit"
         elif "MemoryError" in err or "Cannot allocate memory" in err:

@@ -21,11 +21,19 @@ def logits_chunk_forward(logits, targets, temperature, ignore_index, want_entrop
     return token_logprobs_fwd(logits, targets, temperature, ignore_index, want_entropy)
 
 
-def logits_chunk_grad(logits, targets, lse, entropy, grad_logprob, grad_entropy, temperature,
-                      ignore_index, owned=False):
+def logits_chunk_grad(
+    logits, targets, lse, entropy, grad_logprob, grad_entropy, temperature, ignore_index, owned=False
+):
     """-> d(loss)/d(logits) [C, V] in logits' dtype, written over `logits` when it is owned."""
     return token_logprobs_bwd(
-        logits, targets, lse, entropy, grad_logprob, grad_entropy, temperature, ignore_index,
+        logits,
+        targets,
+        lse,
+        entropy,
+        grad_logprob,
+        grad_entropy,
+        temperature,
+        ignore_index,
         out=logits if owned else None,
     )
 
@@ -45,6 +53,13 @@ def linear_token_logprobs(
 ):
     """Same contract as `reference.linear_token_logprobs`, with the Triton per-chunk kernels."""
     return R.linear_token_logprobs(
-        hidden, weight, target_ids, temperature, return_entropy, ignore_index, chunk_size, cu_seqlens,
+        hidden,
+        weight,
+        target_ids,
+        temperature,
+        return_entropy,
+        ignore_index,
+        chunk_size,
+        cu_seqlens,
         chunk_kernels=TRITON_CHUNK_KERNELS,
     )

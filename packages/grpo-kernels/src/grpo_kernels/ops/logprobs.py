@@ -26,10 +26,22 @@ MAX_BLOCK_V = 4096
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _token_logprobs_fwd_kernel(
-    logits_ptr, stride_outer, stride_inner, n_inner,  # row r sits at (r // n_inner, r % n_inner)
-    targets_ptr, logprobs_ptr, entropy_ptr, lse_ptr,
-    n_rows, n_cols, temp_hi, temp_lo, ignore_index,
-    RETURN_ENTROPY: tl.constexpr, ACC: tl.constexpr, BLOCK_V: tl.constexpr,
+    logits_ptr,
+    stride_outer,
+    stride_inner,
+    n_inner,  # row r sits at (r // n_inner, r % n_inner)
+    targets_ptr,
+    logprobs_ptr,
+    entropy_ptr,
+    lse_ptr,
+    n_rows,
+    n_cols,
+    temp_hi,
+    temp_lo,
+    ignore_index,
+    RETURN_ENTROPY: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     temperature = tl.cast(temp_hi, ACC) + tl.cast(temp_lo, ACC)  # float args arrive as fp32: see _split
     pid = tl.program_id(0).to(tl.int64)
@@ -69,11 +81,25 @@ def _token_logprobs_fwd_kernel(
 
 @triton.jit
 def _token_logprobs_bwd_kernel(
-    logits_ptr, stride_outer, stride_inner, n_inner,
-    targets_ptr, lse_ptr, entropy_ptr, grad_logprobs_ptr, grad_entropy_ptr, grad_logits_ptr,
-    n_rows, n_cols, temp_hi, temp_lo, ignore_index,
-    HAS_GRAD_LOGPROBS: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
-    ACC: tl.constexpr, BLOCK_V: tl.constexpr,
+    logits_ptr,
+    stride_outer,
+    stride_inner,
+    n_inner,
+    targets_ptr,
+    lse_ptr,
+    entropy_ptr,
+    grad_logprobs_ptr,
+    grad_entropy_ptr,
+    grad_logits_ptr,
+    n_rows,
+    n_cols,
+    temp_hi,
+    temp_lo,
+    ignore_index,
+    HAS_GRAD_LOGPROBS: tl.constexpr,
+    HAS_GRAD_ENTROPY: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     temperature = tl.cast(temp_hi, ACC) + tl.cast(temp_lo, ACC)
     # d logprob / d z_j = [j = target] - p_j;  d H / d z_j = -p_j (log p_j + H);  z = x / T
@@ -142,8 +168,13 @@ def _launch_config(n_rows: int, n_cols: int, block_v: int | None):
 
 
 def token_logprobs_fwd(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float, ignore_index: int,
-    return_entropy: bool, block_v: int | None = None, max_programs: int | None = None,
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    ignore_index: int,
+    return_entropy: bool,
+    block_v: int | None = None,
+    max_programs: int | None = None,
 ):
     """logits [T, V] or [B, S, V] (V contiguous), targets [T] int64 -> logprob [T], entropy [T]
     or None, lse [T]; float32 (float64 for float64 logits)."""
@@ -160,20 +191,38 @@ def token_logprobs_fwd(
     if max_programs:
         grid = (min(grid[0], max_programs),)
     _token_logprobs_fwd_kernel[grid](
-        view, stride_outer, stride_inner, n_inner,
-        targets, logprobs, entropy if return_entropy else logprobs, lse,
-        n_rows, n_cols, *split_float(temperature), int(ignore_index),
-        RETURN_ENTROPY=return_entropy, ACC=_acc_dtype(logits.dtype), BLOCK_V=block_v,
+        view,
+        stride_outer,
+        stride_inner,
+        n_inner,
+        targets,
+        logprobs,
+        entropy if return_entropy else logprobs,
+        lse,
+        n_rows,
+        n_cols,
+        *split_float(temperature),
+        int(ignore_index),
+        RETURN_ENTROPY=return_entropy,
+        ACC=_acc_dtype(logits.dtype),
+        BLOCK_V=block_v,
         num_warps=num_warps,
     )
     return logprobs, entropy, lse
 
 
 def token_logprobs_bwd(
-    logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor | None,
-    grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None,
-    temperature: float, ignore_index: int, block_v: int | None = None,
-    max_programs: int | None = None, out: torch.Tensor | None = None,
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    grad_logprobs: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    temperature: float,
+    ignore_index: int,
+    block_v: int | None = None,
+    max_programs: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """-> d(loss)/d(logits), contiguous, with logits' shape and dtype. `out` may be the
     (contiguous) logits themselves: each element is read before it is overwritten."""
@@ -196,12 +245,25 @@ def token_logprobs_bwd(
     grad_lp = None if grad_logprobs is None else grad_logprobs.reshape(-1).contiguous()
     grad_ent = None if grad_entropy is None else grad_entropy.reshape(-1).contiguous()
     _token_logprobs_bwd_kernel[grid](
-        view, stride_outer, stride_inner, n_inner,
-        targets, lse, entropy if entropy is not None else lse,
-        grad_lp if grad_lp is not None else lse, grad_ent if grad_ent is not None else lse,
-        grad_logits, n_rows, n_cols, *split_float(temperature), int(ignore_index),
-        HAS_GRAD_LOGPROBS=grad_lp is not None, HAS_GRAD_ENTROPY=grad_ent is not None,
-        ACC=_acc_dtype(logits.dtype), BLOCK_V=block_v, num_warps=num_warps,
+        view,
+        stride_outer,
+        stride_inner,
+        n_inner,
+        targets,
+        lse,
+        entropy if entropy is not None else lse,
+        grad_lp if grad_lp is not None else lse,
+        grad_ent if grad_ent is not None else lse,
+        grad_logits,
+        n_rows,
+        n_cols,
+        *split_float(temperature),
+        int(ignore_index),
+        HAS_GRAD_LOGPROBS=grad_lp is not None,
+        HAS_GRAD_ENTROPY=grad_ent is not None,
+        ACC=_acc_dtype(logits.dtype),
+        BLOCK_V=block_v,
+        num_warps=num_warps,
     )
     return grad_logits
 
@@ -212,9 +274,7 @@ def token_logprobs_bwd(
 class TokenLogprobsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, temperature, ignore_index, return_entropy, block_v=None):
-        logprobs, entropy, lse = token_logprobs_fwd(
-            logits, targets, temperature, ignore_index, return_entropy, block_v
-        )
+        logprobs, entropy, lse = token_logprobs_fwd(logits, targets, temperature, ignore_index, return_entropy, block_v)
         ctx.save_for_backward(logits, targets, lse, entropy)
         ctx.args = (temperature, ignore_index, block_v)
         ctx.set_materialize_grads(False)
@@ -225,8 +285,15 @@ class TokenLogprobsFunction(torch.autograd.Function):
         logits, targets, lse, entropy = ctx.saved_tensors
         temperature, ignore_index, block_v = ctx.args
         grad_logits = token_logprobs_bwd(
-            logits, targets, lse, entropy, grad_logprobs, grad_entropy,
-            temperature, ignore_index, block_v,
+            logits,
+            targets,
+            lse,
+            entropy,
+            grad_logprobs,
+            grad_entropy,
+            temperature,
+            ignore_index,
+            block_v,
         )
         return grad_logits, None, None, None, None, None
 

@@ -32,10 +32,22 @@ BLOCK = 1024
 REDUCE_BLOCK = 256
 # Layout of the statistics vector: 12 sums, then min, min, max, max.
 STATS = (
-    "actor_sum", "kl_sum", "token_mult_prob_error", "gen_kl_error", "policy_kl_error",
-    "js_divergence_error", "sampling_importance_ratio", "approx_entropy", "ratio_mean",
-    "clipped_ratio_mean", "clip_fraction", "is_oob_fraction",
-    "ratio_min", "clipped_ratio_min", "ratio_max", "clipped_ratio_max",
+    "actor_sum",
+    "kl_sum",
+    "token_mult_prob_error",
+    "gen_kl_error",
+    "policy_kl_error",
+    "js_divergence_error",
+    "sampling_importance_ratio",
+    "approx_entropy",
+    "ratio_mean",
+    "clipped_ratio_mean",
+    "clip_fraction",
+    "is_oob_fraction",
+    "ratio_min",
+    "clipped_ratio_min",
+    "ratio_max",
+    "clipped_ratio_max",
 )
 N_SUMS = 12
 N_STATS = len(STATS)
@@ -65,13 +77,37 @@ def _finite_or_zero(x):
 
 @triton.jit
 def _pg_token_terms(
-    offs, curr_ptr, prev_ptr, gen_ptr, ref_ptr, adv_ptr, token_mask_ptr, seq_mask_ptr,
-    seq_weight_ptr, seq_keep_ptr, lr_ptr, isw_ptr, params_ptr, n_tokens, row_len,
-    REINFORCE: tl.constexpr, DUAL_CLIP: tl.constexpr, USE_IS: tl.constexpr,
-    TRUNCATION: tl.constexpr, HAS_IS_LO: tl.constexpr, HAS_IS_HI: tl.constexpr,
-    HAS_KL: tl.constexpr, KL_TYPE: tl.constexpr, KL_IN_CLAMP: tl.constexpr,
-    KL_OUT_CLAMP: tl.constexpr, ON_POLICY_KL: tl.constexpr, SEQ_LEVEL: tl.constexpr,
-    FORCE_RATIO: tl.constexpr, CISPO: tl.constexpr, KL_TRUE_GRAD: tl.constexpr, GSPO: tl.constexpr,
+    offs,
+    curr_ptr,
+    prev_ptr,
+    gen_ptr,
+    ref_ptr,
+    adv_ptr,
+    token_mask_ptr,
+    seq_mask_ptr,
+    seq_weight_ptr,
+    seq_keep_ptr,
+    lr_ptr,
+    isw_ptr,
+    params_ptr,
+    n_tokens,
+    row_len,
+    REINFORCE: tl.constexpr,
+    DUAL_CLIP: tl.constexpr,
+    USE_IS: tl.constexpr,
+    TRUNCATION: tl.constexpr,
+    HAS_IS_LO: tl.constexpr,
+    HAS_IS_HI: tl.constexpr,
+    HAS_KL: tl.constexpr,
+    KL_TYPE: tl.constexpr,
+    KL_IN_CLAMP: tl.constexpr,
+    KL_OUT_CLAMP: tl.constexpr,
+    ON_POLICY_KL: tl.constexpr,
+    SEQ_LEVEL: tl.constexpr,
+    FORCE_RATIO: tl.constexpr,
+    CISPO: tl.constexpr,
+    KL_TRUE_GRAD: tl.constexpr,
+    GSPO: tl.constexpr,
     ACC: tl.constexpr,
 ):
     """Per-token terms of the loss for the tokens `offs` (shared by forward and backward)."""
@@ -184,30 +220,101 @@ def _pg_token_terms(
     seq_weight = tl.full(c.shape, 1.0, ACC)
     if SEQ_LEVEL:
         seq_weight = tl.load(seq_weight_ptr + seq, mask=in_range, other=0.0).to(ACC)
-    return (valid, c, p, g, ratio, ratio_clamped, loss1, loss2, weight, oob,
-            seq_weight * actor, seq_weight * kl, seq_weight * d_actor, seq_weight * d_kl)
+    return (
+        valid,
+        c,
+        p,
+        g,
+        ratio,
+        ratio_clamped,
+        loss1,
+        loss2,
+        weight,
+        oob,
+        seq_weight * actor,
+        seq_weight * kl,
+        seq_weight * d_actor,
+        seq_weight * d_kl,
+    )
 
 
 @triton.jit
 def _pg_loss_fwd_kernel(
-    curr_ptr, prev_ptr, gen_ptr, ref_ptr, adv_ptr, token_mask_ptr, seq_mask_ptr,
-    seq_weight_ptr, seq_keep_ptr, lr_ptr, isw_ptr, params_ptr, partials_ptr, counter_ptr, stats_ptr, n_tokens, row_len,
-    REINFORCE: tl.constexpr, DUAL_CLIP: tl.constexpr, USE_IS: tl.constexpr,
-    TRUNCATION: tl.constexpr, HAS_IS_LO: tl.constexpr, HAS_IS_HI: tl.constexpr,
-    HAS_KL: tl.constexpr, KL_TYPE: tl.constexpr, KL_IN_CLAMP: tl.constexpr,
-    KL_OUT_CLAMP: tl.constexpr, ON_POLICY_KL: tl.constexpr, SEQ_LEVEL: tl.constexpr,
-    FORCE_RATIO: tl.constexpr, CISPO: tl.constexpr, KL_TRUE_GRAD: tl.constexpr, GSPO: tl.constexpr,
-    N_SUMS: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr,
+    curr_ptr,
+    prev_ptr,
+    gen_ptr,
+    ref_ptr,
+    adv_ptr,
+    token_mask_ptr,
+    seq_mask_ptr,
+    seq_weight_ptr,
+    seq_keep_ptr,
+    lr_ptr,
+    isw_ptr,
+    params_ptr,
+    partials_ptr,
+    counter_ptr,
+    stats_ptr,
+    n_tokens,
+    row_len,
+    REINFORCE: tl.constexpr,
+    DUAL_CLIP: tl.constexpr,
+    USE_IS: tl.constexpr,
+    TRUNCATION: tl.constexpr,
+    HAS_IS_LO: tl.constexpr,
+    HAS_IS_HI: tl.constexpr,
+    HAS_KL: tl.constexpr,
+    KL_TYPE: tl.constexpr,
+    KL_IN_CLAMP: tl.constexpr,
+    KL_OUT_CLAMP: tl.constexpr,
+    ON_POLICY_KL: tl.constexpr,
+    SEQ_LEVEL: tl.constexpr,
+    FORCE_RATIO: tl.constexpr,
+    CISPO: tl.constexpr,
+    KL_TRUE_GRAD: tl.constexpr,
+    GSPO: tl.constexpr,
+    N_SUMS: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_P: tl.constexpr,
 ):
     """Program pid writes partials[pid] (16 statistics of its BLOCK tokens); the last program
     to finish folds partials [n_programs, 16] into stats [16]."""
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     (valid, c, p, g, ratio, ratio_clamped, loss1, loss2, weight, oob, actor, kl, _, _) = _pg_token_terms(
-        offs, curr_ptr, prev_ptr, gen_ptr, ref_ptr, adv_ptr, token_mask_ptr, seq_mask_ptr,
-        seq_weight_ptr, seq_keep_ptr, lr_ptr, isw_ptr, params_ptr, n_tokens, row_len,
-        REINFORCE, DUAL_CLIP, USE_IS, TRUNCATION, HAS_IS_LO, HAS_IS_HI, HAS_KL, KL_TYPE,
-        KL_IN_CLAMP, KL_OUT_CLAMP, ON_POLICY_KL, SEQ_LEVEL, FORCE_RATIO, CISPO, KL_TRUE_GRAD, GSPO, ACC,
+        offs,
+        curr_ptr,
+        prev_ptr,
+        gen_ptr,
+        ref_ptr,
+        adv_ptr,
+        token_mask_ptr,
+        seq_mask_ptr,
+        seq_weight_ptr,
+        seq_keep_ptr,
+        lr_ptr,
+        isw_ptr,
+        params_ptr,
+        n_tokens,
+        row_len,
+        REINFORCE,
+        DUAL_CLIP,
+        USE_IS,
+        TRUNCATION,
+        HAS_IS_LO,
+        HAS_IS_HI,
+        HAS_KL,
+        KL_TYPE,
+        KL_IN_CLAMP,
+        KL_OUT_CLAMP,
+        ON_POLICY_KL,
+        SEQ_LEVEL,
+        FORCE_RATIO,
+        CISPO,
+        KL_TRUE_GRAD,
+        GSPO,
+        ACC,
     )
     # Mismatch metrics between the trainer (prev) and the sampler (gen).
     log_mix = tl.maximum(p, g) + tl.log(0.5 * tl.exp(p - tl.maximum(p, g)) + 0.5 * tl.exp(g - tl.maximum(p, g)))
@@ -264,23 +371,78 @@ def _fold_partials(partials_ptr, stats_ptr, n_parts, N_SUMS: tl.constexpr, ACC: 
 
 @triton.jit
 def _pg_loss_bwd_kernel(
-    curr_ptr, prev_ptr, gen_ptr, ref_ptr, adv_ptr, token_mask_ptr, seq_mask_ptr,
-    seq_weight_ptr, seq_keep_ptr, lr_ptr, isw_ptr, params_ptr, grad_stats_ptr, grad_curr_ptr, grad_lr_ptr,
-    n_tokens, row_len,
-    REINFORCE: tl.constexpr, DUAL_CLIP: tl.constexpr, USE_IS: tl.constexpr,
-    TRUNCATION: tl.constexpr, HAS_IS_LO: tl.constexpr, HAS_IS_HI: tl.constexpr,
-    HAS_KL: tl.constexpr, KL_TYPE: tl.constexpr, KL_IN_CLAMP: tl.constexpr,
-    KL_OUT_CLAMP: tl.constexpr, ON_POLICY_KL: tl.constexpr, SEQ_LEVEL: tl.constexpr,
-    FORCE_RATIO: tl.constexpr, CISPO: tl.constexpr, KL_TRUE_GRAD: tl.constexpr, GSPO: tl.constexpr,
-    ACTOR_TO_LR: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr,
+    curr_ptr,
+    prev_ptr,
+    gen_ptr,
+    ref_ptr,
+    adv_ptr,
+    token_mask_ptr,
+    seq_mask_ptr,
+    seq_weight_ptr,
+    seq_keep_ptr,
+    lr_ptr,
+    isw_ptr,
+    params_ptr,
+    grad_stats_ptr,
+    grad_curr_ptr,
+    grad_lr_ptr,
+    n_tokens,
+    row_len,
+    REINFORCE: tl.constexpr,
+    DUAL_CLIP: tl.constexpr,
+    USE_IS: tl.constexpr,
+    TRUNCATION: tl.constexpr,
+    HAS_IS_LO: tl.constexpr,
+    HAS_IS_HI: tl.constexpr,
+    HAS_KL: tl.constexpr,
+    KL_TYPE: tl.constexpr,
+    KL_IN_CLAMP: tl.constexpr,
+    KL_OUT_CLAMP: tl.constexpr,
+    ON_POLICY_KL: tl.constexpr,
+    SEQ_LEVEL: tl.constexpr,
+    FORCE_RATIO: tl.constexpr,
+    CISPO: tl.constexpr,
+    KL_TRUE_GRAD: tl.constexpr,
+    GSPO: tl.constexpr,
+    ACTOR_TO_LR: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     (valid, _, _, _, _, _, _, _, _, _, _, _, d_actor, d_kl) = _pg_token_terms(
-        offs, curr_ptr, prev_ptr, gen_ptr, ref_ptr, adv_ptr, token_mask_ptr, seq_mask_ptr,
-        seq_weight_ptr, seq_keep_ptr, lr_ptr, isw_ptr, params_ptr, n_tokens, row_len,
-        REINFORCE, DUAL_CLIP, USE_IS, TRUNCATION, HAS_IS_LO, HAS_IS_HI, HAS_KL, KL_TYPE,
-        KL_IN_CLAMP, KL_OUT_CLAMP, ON_POLICY_KL, SEQ_LEVEL, FORCE_RATIO, CISPO, KL_TRUE_GRAD, GSPO, ACC,
+        offs,
+        curr_ptr,
+        prev_ptr,
+        gen_ptr,
+        ref_ptr,
+        adv_ptr,
+        token_mask_ptr,
+        seq_mask_ptr,
+        seq_weight_ptr,
+        seq_keep_ptr,
+        lr_ptr,
+        isw_ptr,
+        params_ptr,
+        n_tokens,
+        row_len,
+        REINFORCE,
+        DUAL_CLIP,
+        USE_IS,
+        TRUNCATION,
+        HAS_IS_LO,
+        HAS_IS_HI,
+        HAS_KL,
+        KL_TYPE,
+        KL_IN_CLAMP,
+        KL_OUT_CLAMP,
+        ON_POLICY_KL,
+        SEQ_LEVEL,
+        FORCE_RATIO,
+        CISPO,
+        KL_TRUE_GRAD,
+        GSPO,
+        ACC,
     )
     # Only the two loss sums carry gradient; the metrics are detached. GSPO's actor term depends
     # on curr through the sequence log-ratio: its gradient goes there, and torch on the host
@@ -303,9 +465,14 @@ def _params(config: PGLossConfig, device: torch.device, dtype: torch.dtype) -> t
     float64, where Triton's float arguments would be rounded to float32)."""
     c = config
     values = [
-        1.0 - c.ratio_clip_min, 1.0 + c.ratio_clip_max, c.ratio_clip_c or 0.0,
-        c.truncated_importance_sampling_ratio_min or 0.0, c.truncated_importance_sampling_ratio or 0.0,
-        c.kl_input_clamp_value or 0.0, c.kl_output_clamp_value or 0.0, c.reference_policy_kl_penalty,
+        1.0 - c.ratio_clip_min,
+        1.0 + c.ratio_clip_max,
+        c.ratio_clip_c or 0.0,
+        c.truncated_importance_sampling_ratio_min or 0.0,
+        c.truncated_importance_sampling_ratio or 0.0,
+        c.kl_input_clamp_value or 0.0,
+        c.kl_output_clamp_value or 0.0,
+        c.reference_policy_kl_penalty,
     ]
     return torch.tensor(values, dtype=dtype, device=device)
 
@@ -358,8 +525,17 @@ def pg_loss_fwd(tokens: dict, config: PGLossConfig, block: int = BLOCK) -> torch
     # CUDA graphs, where a cached self-resetting counter would be shared.
     counter = torch.zeros(1, dtype=torch.int32, device=curr.device)
     _pg_loss_fwd_kernel[(n_blocks,)](
-        *_pointers(tokens), _params(config, curr.device, acc_dtype), partials, counter, stats, n_tokens,
-        tokens["row_len"], **_flags(config), N_SUMS=N_SUMS, ACC=_acc(curr.dtype), BLOCK=block,
+        *_pointers(tokens),
+        _params(config, curr.device, acc_dtype),
+        partials,
+        counter,
+        stats,
+        n_tokens,
+        tokens["row_len"],
+        **_flags(config),
+        N_SUMS=N_SUMS,
+        ACC=_acc(curr.dtype),
+        BLOCK=block,
         BLOCK_P=min(REDUCE_BLOCK, triton.next_power_of_2(n_blocks)),
     )
     return stats
@@ -377,9 +553,17 @@ def pg_loss_bwd(tokens: dict, config: PGLossConfig, grad_stats: torch.Tensor, bl
     if n_tokens == 0:
         return grad_curr, grad_lr
     _pg_loss_bwd_kernel[(triton.cdiv(n_tokens, block),)](
-        *_pointers(tokens), _params(config, curr.device, acc_dtype), grad_stats.contiguous(),
-        grad_curr, grad_lr if to_lr else grad_curr, n_tokens, tokens["row_len"], **_flags(config),
-        ACTOR_TO_LR=to_lr, ACC=_acc(curr.dtype), BLOCK=block,
+        *_pointers(tokens),
+        _params(config, curr.device, acc_dtype),
+        grad_stats.contiguous(),
+        grad_curr,
+        grad_lr if to_lr else grad_curr,
+        n_tokens,
+        tokens["row_len"],
+        **_flags(config),
+        ACTOR_TO_LR=to_lr,
+        ACC=_acc(curr.dtype),
+        BLOCK=block,
     )
     return grad_curr, grad_lr
 
@@ -391,8 +575,19 @@ def _pointers(tokens: dict) -> tuple:
     seq_keep = tokens["seq_keep"] if tokens["seq_keep"] is not None else curr
     log_ratio = tokens.get("log_ratio") if tokens.get("log_ratio") is not None else curr
     is_weight = tokens.get("is_weight") if tokens.get("is_weight") is not None else curr
-    return (curr, tokens["prev"], tokens["gen"], ref, tokens["advantages"], tokens["token_mask"],
-            tokens["seq_mask"], seq_weight, seq_keep, log_ratio, is_weight)
+    return (
+        curr,
+        tokens["prev"],
+        tokens["gen"],
+        ref,
+        tokens["advantages"],
+        tokens["token_mask"],
+        tokens["seq_mask"],
+        seq_weight,
+        seq_keep,
+        log_ratio,
+        is_weight,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -428,7 +623,9 @@ def _mask_bytes(mask: torch.Tensor) -> torch.Tensor:
 def _count(value, name: str):
     """Global count as a Python float or a 0-dim tensor, floored at 1 (no host sync)."""
     if isinstance(value, torch.Tensor):
-        return R.global_count(value, name, value.device, torch.float64 if value.dtype == torch.float64 else torch.float32)
+        return R.global_count(
+            value, name, value.device, torch.float64 if value.dtype == torch.float64 else torch.float32
+        )
     if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise ValueError(f"{name}={value!r}: expected a non-negative count of the global batch")
     return max(float(value), 1.0)
@@ -526,11 +723,15 @@ def clipped_pg_loss(
     seq_level = config.loss_aggregation == "seq-mean-token-mean"
     needs_sequences = seq_level or config.truncated_importance_sampling_type == "seq-mask-tis"
     tokens = dict(
-        prev=prev.reshape(-1).contiguous(), gen=gen.reshape(-1).contiguous(),
+        prev=prev.reshape(-1).contiguous(),
+        gen=gen.reshape(-1).contiguous(),
         ref=None if ref is None or not config.reference_policy_kl_penalty else ref.reshape(-1).contiguous(),
         advantages=advantages.reshape(-1).contiguous(),
         token_mask=_mask_bytes(token_mask.reshape(-1).contiguous()),
-        seq_mask=_mask_bytes(sample_mask.contiguous()), seq_weight=None, seq_keep=None, is_weight=None,
+        seq_mask=_mask_bytes(sample_mask.contiguous()),
+        seq_weight=None,
+        seq_keep=None,
+        is_weight=None,
         row_len=curr.shape[1] if curr.dim() == 2 else 1,
     )
     oob = None
@@ -549,7 +750,8 @@ def clipped_pg_loss(
     log_ratio = None
     if config.sequence_level_importance_ratios:
         log_ratio, tokens["is_weight"], weight_sum, gspo_oob = _gspo_extras(
-            curr, prev, gen, token_mask, sample_mask, config, n_seqs, cu)
+            curr, prev, gen, token_mask, sample_mask, config, n_seqs, cu
+        )
         oob = gspo_oob
     stats = ClippedPGLossFunction.apply(curr.reshape(-1), log_ratio, tokens, config, block)
     g_loss = R.loss_normaliser(config, g_tok, g_seq)
@@ -564,6 +766,10 @@ def clipped_pg_loss(
         if config.sequence_level_importance_ratios:  # one weight per sequence: mean over sequences
             metrics["sampling_importance_ratio"] = (weight_sum / g_seq).float()
         metrics.update(zip(STATS[N_SUMS:], stats[N_SUMS:].float().unbind()))
-        metrics.update(kl_penalty=kl.detach().float(), actor_loss=actor_loss.detach().float(),
-                       positive_nll=torch.zeros((), device=curr.device), loss=loss.detach().float())
+        metrics.update(
+            kl_penalty=kl.detach().float(),
+            actor_loss=actor_loss.detach().float(),
+            positive_nll=torch.zeros((), device=curr.device),
+            loss=loss.detach().float(),
+        )
     return loss, metrics

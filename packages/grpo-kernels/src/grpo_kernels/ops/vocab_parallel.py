@@ -30,9 +30,19 @@ MAX, SUM_EXP, TARGET, SUM_EXP_Z = range(4)
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _vocab_parallel_token_logprobs_fwd_kernel(
-    logits_ptr, stride_row, targets_ptr, partials_ptr,  # partials [3 or 4, n_rows]: see MAX .. SUM_EXP_Z
-    n_rows, n_cols, vocab_start, temp_hi, temp_lo, ignore_index,
-    RETURN_ENTROPY: tl.constexpr, ACC: tl.constexpr, BLOCK_V: tl.constexpr,
+    logits_ptr,
+    stride_row,
+    targets_ptr,
+    partials_ptr,  # partials [3 or 4, n_rows]: see MAX .. SUM_EXP_Z
+    n_rows,
+    n_cols,
+    vocab_start,
+    temp_hi,
+    temp_lo,
+    ignore_index,
+    RETURN_ENTROPY: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     # Float args arrive as fp32: see split_float. (Triton's stubs type ACC as constexpr, not a dtype.)
     temperature = tl.cast(temp_hi, ACC) + tl.cast(temp_lo, ACC)  # pyright: ignore[reportArgumentType]
@@ -70,10 +80,24 @@ def _vocab_parallel_token_logprobs_fwd_kernel(
 
 @triton.jit
 def _vocab_parallel_token_logprobs_bwd_kernel(
-    logits_ptr, stride_row, targets_ptr, lse_ptr, entropy_ptr, grad_logprobs_ptr, grad_entropy_ptr,
-    grad_logits_ptr, n_rows, n_cols, vocab_start, temp_hi, temp_lo, ignore_index,
-    HAS_GRAD_LOGPROBS: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
-    ACC: tl.constexpr, BLOCK_V: tl.constexpr,
+    logits_ptr,
+    stride_row,
+    targets_ptr,
+    lse_ptr,
+    entropy_ptr,
+    grad_logprobs_ptr,
+    grad_entropy_ptr,
+    grad_logits_ptr,
+    n_rows,
+    n_cols,
+    vocab_start,
+    temp_hi,
+    temp_lo,
+    ignore_index,
+    HAS_GRAD_LOGPROBS: tl.constexpr,
+    HAS_GRAD_ENTROPY: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     temperature = tl.cast(temp_hi, ACC) + tl.cast(temp_lo, ACC)  # pyright: ignore[reportArgumentType]
     # d logprob / d z_j = [j = target] - p_j;  d H / d z_j = -p_j (log p_j + H);  z = x / T,
@@ -112,13 +136,21 @@ def _vocab_parallel_token_logprobs_bwd_kernel(
 # ----------------------------------------------------------------------------------------------
 def _check_flat(logits: torch.Tensor) -> None:
     if logits.dim() != 2 or logits.stride(-1) != 1:
-        raise ValueError(f"logits: expected a flat [T, V/tp] shard with contiguous columns, got shape "
-                         f"{tuple(logits.shape)}, strides {logits.stride()}")
+        raise ValueError(
+            f"logits: expected a flat [T, V/tp] shard with contiguous columns, got shape "
+            f"{tuple(logits.shape)}, strides {logits.stride()}"
+        )
 
 
 def shard_partials(
-    logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, temperature: float, ignore_index: int,
-    return_entropy: bool, block_v: int | None = None, max_programs: int | None = None,
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_start: int,
+    temperature: float,
+    ignore_index: int,
+    return_entropy: bool,
+    block_v: int | None = None,
+    max_programs: int | None = None,
 ) -> torch.Tensor:
     """logits [T, V_local], targets [T] int64 (global ids) -> this shard's partials [3 or 4, T]
     (rows MAX, SUM_EXP, TARGET and, with the entropy, SUM_EXP_Z) in the work dtype. No collective."""
@@ -131,9 +163,18 @@ def shard_partials(
     if max_programs:
         grid = (min(grid[0], max_programs),)
     _vocab_parallel_token_logprobs_fwd_kernel[grid](
-        logits, logits.stride(0), targets, partials,
-        n_rows, n_cols, int(vocab_start), *split_float(temperature), int(ignore_index),
-        RETURN_ENTROPY=return_entropy, ACC=_acc_dtype(logits.dtype), BLOCK_V=block_v,
+        logits,
+        logits.stride(0),
+        targets,
+        partials,
+        n_rows,
+        n_cols,
+        int(vocab_start),
+        *split_float(temperature),
+        int(ignore_index),
+        RETURN_ENTROPY=return_entropy,
+        ACC=_acc_dtype(logits.dtype),
+        BLOCK_V=block_v,
         num_warps=num_warps,  # pyright: ignore[reportCallIssue]  (a launch option, not a kernel parameter)
     )
     return partials
@@ -164,19 +205,35 @@ def combine_partials(partials: torch.Tensor, targets: torch.Tensor, ignore_index
 
 
 def vocab_parallel_token_logprobs_fwd(
-    logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, temperature: float, ignore_index: int,
-    group, return_entropy: bool, block_v: int | None = None, max_programs: int | None = None,
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_start: int,
+    temperature: float,
+    ignore_index: int,
+    group,
+    return_entropy: bool,
+    block_v: int | None = None,
+    max_programs: int | None = None,
 ):
     """-> (logprob [T], entropy [T] or None, lse [T]): the kernel, then the two all-reduces."""
-    partials = shard_partials(logits, targets, vocab_start, temperature, ignore_index, return_entropy,
-                              block_v, max_programs)
+    partials = shard_partials(
+        logits, targets, vocab_start, temperature, ignore_index, return_entropy, block_v, max_programs
+    )
     return combine_partials(partials, targets, ignore_index, group)
 
 
 def vocab_parallel_token_logprobs_bwd(
-    logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, lse: torch.Tensor, entropy: torch.Tensor | None,
-    grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None, temperature: float, ignore_index: int,
-    block_v: int | None = None, max_programs: int | None = None,
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_start: int,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    grad_logprobs: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    temperature: float,
+    ignore_index: int,
+    block_v: int | None = None,
+    max_programs: int | None = None,
 ) -> torch.Tensor:
     """-> d(loss)/d(this shard) [T, V_local], contiguous, in the logits' dtype. No collective."""
     _check_flat(logits)
@@ -192,11 +249,23 @@ def vocab_parallel_token_logprobs_bwd(
     grad_lp = None if grad_logprobs is None else grad_logprobs.reshape(-1).contiguous()
     grad_ent = None if grad_entropy is None else grad_entropy.reshape(-1).contiguous()
     _vocab_parallel_token_logprobs_bwd_kernel[grid](
-        logits, logits.stride(0), targets, lse, entropy if entropy is not None else lse,
-        grad_lp if grad_lp is not None else lse, grad_ent if grad_ent is not None else lse,
-        grad_logits, n_rows, n_cols, int(vocab_start), *split_float(temperature), int(ignore_index),
-        HAS_GRAD_LOGPROBS=grad_lp is not None, HAS_GRAD_ENTROPY=grad_ent is not None,
-        ACC=_acc_dtype(logits.dtype), BLOCK_V=block_v,
+        logits,
+        logits.stride(0),
+        targets,
+        lse,
+        entropy if entropy is not None else lse,
+        grad_lp if grad_lp is not None else lse,
+        grad_ent if grad_ent is not None else lse,
+        grad_logits,
+        n_rows,
+        n_cols,
+        int(vocab_start),
+        *split_float(temperature),
+        int(ignore_index),
+        HAS_GRAD_LOGPROBS=grad_lp is not None,
+        HAS_GRAD_ENTROPY=grad_ent is not None,
+        ACC=_acc_dtype(logits.dtype),
+        BLOCK_V=block_v,
         num_warps=num_warps,  # pyright: ignore[reportCallIssue]  (a launch option, not a kernel parameter)
     )
     return grad_logits
@@ -223,7 +292,15 @@ class VocabParallelTokenLogprobsFunction(torch.autograd.Function):
         logits, targets, lse, entropy = ctx.saved_tensors
         vocab_start, temperature, ignore_index, block_v = ctx.args
         grad_logits = vocab_parallel_token_logprobs_bwd(
-            logits, targets, vocab_start, lse, entropy, grad_logprobs, grad_entropy, temperature, ignore_index,
+            logits,
+            targets,
+            vocab_start,
+            lse,
+            entropy,
+            grad_logprobs,
+            grad_entropy,
+            temperature,
+            ignore_index,
             block_v,
         )
         return grad_logits, None, None, None, None, None, None, None

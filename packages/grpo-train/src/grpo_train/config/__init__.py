@@ -65,11 +65,17 @@ def schema_has(parts: list[str], model: type[BaseModel] = GRPOMasterConfig) -> b
         return False
     if not rest:
         return True
-    sections = [a for a in typing.get_args(field.annotation) or (field.annotation,) if isinstance(a, type) and issubclass(a, BaseModel)]
+    sections = [
+        a
+        for a in typing.get_args(field.annotation) or (field.annotation,)
+        if isinstance(a, type) and issubclass(a, BaseModel)
+    ]
     return any(schema_has(rest, section) for section in sections)
 
 
-def load_config(name: str | Path, overrides: Sequence[str] = (), search_dirs: Sequence[Path] = ()) -> tuple[GRPOMasterConfig, dict[str, Any]]:
+def load_config(
+    name: str | Path, overrides: Sequence[str] = (), search_dirs: Sequence[Path] = ()
+) -> tuple[GRPOMasterConfig, dict[str, Any]]:
     """Load, merge, override, interpolate and validate. Returns the model and the resolved dict."""
     path, raw = load_config_dict(name, list(overrides), list(search_dirs), schema_has)
     return validate_config_dict(raw, str(path)), raw

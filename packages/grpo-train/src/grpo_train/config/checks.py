@@ -90,13 +90,19 @@ def check_lengths(cfg: GRPOMasterConfig) -> None:
     if gen.backend == "vllm":
         context, context_key = gen.vllm_cfg.max_model_len, "policy.generation.vllm_cfg.max_model_len"
         if context > total:
-            raise ConfigError(f"{context} exceeds policy.max_total_sequence_length ({total}): the engine would "
-                              f"return sequences the trainer does not take", key=context_key)
+            raise ConfigError(
+                f"{context} exceeds policy.max_total_sequence_length ({total}): the engine would "
+                f"return sequences the trainer does not take",
+                key=context_key,
+            )
     else:
         context, context_key = total, "policy.max_total_sequence_length"
     if gen.max_new_tokens + SCORE_RESERVE >= context:
-        raise ConfigError(f"{gen.max_new_tokens} leaves no room for a prompt in {context_key} ({context}; "
-                          f"{SCORE_RESERVE} position is kept for scoring)", key="policy.generation.max_new_tokens")
+        raise ConfigError(
+            f"{gen.max_new_tokens} leaves no room for a prompt in {context_key} ({context}; "
+            f"{SCORE_RESERVE} position is kept for scoring)",
+            key="policy.generation.max_new_tokens",
+        )
     room = context - gen.max_new_tokens - SCORE_RESERVE
     if cfg.data.default.max_input_seq_length is not None:
         default = (cfg.data.default.max_input_seq_length, "data.default.max_input_seq_length")
@@ -109,7 +115,8 @@ def check_lengths(cfg: GRPOMasterConfig) -> None:
             raise ConfigError(
                 f"{limit} + policy.generation.max_new_tokens ({gen.max_new_tokens}) + {SCORE_RESERVE} exceeds "
                 f"{context_key} ({context}): accepted prompts would be cut again at generation; use at most {room}",
-                key=key)
+                key=key,
+            )
 
 
 # --------------------------------------------------------------------------- environments
@@ -139,8 +146,10 @@ def check_envs(cfg: GRPOMasterConfig) -> None:
             loc = ".".join(str(p) for p in first["loc"] if not _is_union_label(p))
             msg = "unknown key" if first["type"] == "extra_forbidden" else first["msg"]
             accepted = ", ".join(sorted(_constructor_model(cls).model_fields))
-            raise ConfigError(f"{msg} (environment {name!r} takes: {accepted or 'no settings'})",
-                              key=f"env.{name}.{loc}" if loc else f"env.{name}") from None
+            raise ConfigError(
+                f"{msg} (environment {name!r} takes: {accepted or 'no settings'})",
+                key=f"env.{name}.{loc}" if loc else f"env.{name}",
+            ) from None
 
 
 def _env_class(name: str, env_cfg: EnvConfig) -> type:
@@ -167,17 +176,22 @@ def _env_class(name: str, env_cfg: EnvConfig) -> type:
     try:
         return registry.get(name)
     except KeyError:
-        raise ConfigError(f"unknown environment; registered: {', '.join(registry.names())} (or give "
-                          f"env.{name}.class / env.{name}.reward_fn)", key=f"env.{name}") from None
+        raise ConfigError(
+            f"unknown environment; registered: {', '.join(registry.names())} (or give "
+            f"env.{name}.class / env.{name}.reward_fn)",
+            key=f"env.{name}",
+        ) from None
 
 
 def _check_env_resources(cfg: GRPOMasterConfig, name: str, resources: dict[str, float] | None) -> None:
     """A local Ray has CPUs and GPUs only: an actor asking for a custom resource would never start."""
     custom = sorted(set(resources or {}) - set(ENV_RESOURCE_NAMES))
     if custom and cfg.cluster.address is None:
-        raise ConfigError(f"unknown resource(s) {', '.join(custom)}; a local Ray has only {', '.join(ENV_RESOURCE_NAMES)} "
-                          f"(custom Ray resources need a cluster started with them: cluster.address)",
-                          key=f"env.{name}.resources")
+        raise ConfigError(
+            f"unknown resource(s) {', '.join(custom)}; a local Ray has only {', '.join(ENV_RESOURCE_NAMES)} "
+            f"(custom Ray resources need a cluster started with them: cluster.address)",
+            key=f"env.{name}.resources",
+        )
 
 
 def _constructor_model(cls: type) -> type:
@@ -195,7 +209,9 @@ def _constructor_model(cls: type) -> type:
         if param.kind is param.VAR_KEYWORD:
             extra = "allow"
         elif param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY):
-            annotation = Any if param.annotation is param.empty or isinstance(param.annotation, str) else param.annotation
+            annotation = (
+                Any if param.annotation is param.empty or isinstance(param.annotation, str) else param.annotation
+            )
             fields[param.name] = (annotation, ... if param.default is param.empty else param.default)
     # strict: the environment receives these very values, so "2" is not a number here
     config = ConfigDict(extra=extra, arbitrary_types_allowed=True, strict=True)
@@ -208,8 +224,11 @@ def check_dataset_envs(cfg: GRPOMasterConfig) -> None:
     entries = [("data.default", cfg.data.default), *_dataset_entries(cfg)]
     for where, entry in entries:
         if entry.env_name is not None and entry.env_name not in cfg.env:
-            raise ConfigError(f"{entry.env_name!r} is not configured in the env section (configured: "
-                              f"{', '.join(sorted(cfg.env)) or 'none'})", key=f"{where}.env_name")
+            raise ConfigError(
+                f"{entry.env_name!r} is not configured in the env section (configured: "
+                f"{', '.join(sorted(cfg.env)) or 'none'})",
+                key=f"{where}.env_name",
+            )
 
 
 # ------------------------------------------------------------------------ optimizers
@@ -249,10 +268,13 @@ def _check_optimizer(optimizer_cfg: OptimizerConfig, key: str):
     try:
         return _dummy_optimizer(optimizer_cfg, key)
     except Exception as exc:  # noqa: BLE001 - any failure to build is the config's
-        culprit = _culprit(optimizer_cfg.kwargs,
-                           lambda kw: _dummy_optimizer(optimizer_cfg.model_copy(update={"kwargs": kw}), key))
-        raise ConfigError(f"{_value(optimizer_cfg.kwargs, culprit)}{type(exc).__name__}: {exc}",
-                          key=f"{key}.kwargs.{culprit}" if culprit else f"{key}.kwargs") from None
+        culprit = _culprit(
+            optimizer_cfg.kwargs, lambda kw: _dummy_optimizer(optimizer_cfg.model_copy(update={"kwargs": kw}), key)
+        )
+        raise ConfigError(
+            f"{_value(optimizer_cfg.kwargs, culprit)}{type(exc).__name__}: {exc}",
+            key=f"{key}.kwargs.{culprit}" if culprit else f"{key}.kwargs",
+        ) from None
 
 
 def _check_scheduler(optimizer, entries: list[SchedulerEntry], key: str) -> None:
@@ -271,10 +293,16 @@ def _check_scheduler(optimizer, entries: list[SchedulerEntry], key: str) -> None
         try:
             _step(optimizer, build_scheduler(optimizer, [entry], key=key))
         except Exception as exc:  # noqa: BLE001
-            culprit = _culprit(entry.kwargs, lambda kw, entry=entry: _step(optimizer, build_scheduler(
-                optimizer, [entry.model_copy(update={"kwargs": kw})], key=key)))
-            raise ConfigError(f"{_value(entry.kwargs, culprit)}{type(exc).__name__}: {exc}",
-                              key=f"{key}[{i}].kwargs.{culprit}" if culprit else f"{key}[{i}].kwargs") from None
+            culprit = _culprit(
+                entry.kwargs,
+                lambda kw, entry=entry: _step(
+                    optimizer, build_scheduler(optimizer, [entry.model_copy(update={"kwargs": kw})], key=key)
+                ),
+            )
+            raise ConfigError(
+                f"{_value(entry.kwargs, culprit)}{type(exc).__name__}: {exc}",
+                key=f"{key}[{i}].kwargs.{culprit}" if culprit else f"{key}[{i}].kwargs",
+            ) from None
     try:
         _step(optimizer, build_scheduler(optimizer, entries, key=key))
     except Exception as exc:  # noqa: BLE001 - e.g. milestones that do not match the entries

@@ -123,7 +123,9 @@ def load_yaml_file(path: Path) -> dict[str, Any]:
     try:
         size = path.stat().st_size
         if size > MAX_CONFIG_BYTES:
-            raise ConfigError(f"{size} bytes; a config file is at most {MAX_CONFIG_BYTES} bytes of YAML", file=str(path))
+            raise ConfigError(
+                f"{size} bytes; a config file is at most {MAX_CONFIG_BYTES} bytes of YAML", file=str(path)
+            )
         raw = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read: {exc.strerror}", file=str(path)) from None
@@ -131,8 +133,9 @@ def load_yaml_file(path: Path) -> dict[str, Any]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = raw.count(b"\n", 0, exc.start) + 1
-        raise ConfigError(f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at line {line}); save the file as UTF-8",
-                          file=str(path)) from None
+        raise ConfigError(
+            f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at line {line}); save the file as UTF-8", file=str(path)
+        ) from None
     try:
         data = parse_yaml(text)
     except yaml.YAMLError as exc:
@@ -180,12 +183,16 @@ def load_with_defaults(path: Path, _chain: tuple[Path, ...] = ()) -> dict[str, A
     if isinstance(parents, str):
         parents = [parents]
     if not isinstance(parents, list) or not all(isinstance(p, str) for p in parents):
-        raise ConfigError(f"expected a file name or a list of file names, got {parents!r}", file=str(path), key="defaults")
+        raise ConfigError(
+            f"expected a file name or a list of file names, got {parents!r}", file=str(path), key="defaults"
+        )
     merged: dict[str, Any] = {}
     for parent in parents:
         parent_path = (path.parent / parent).resolve()
         if not parent_path.is_file():
-            raise ConfigError(f"parent config {parent!r} not found (looked at {parent_path})", file=str(path), key="defaults")
+            raise ConfigError(
+                f"parent config {parent!r} not found (looked at {parent_path})", file=str(path), key="defaults"
+            )
         merged = merge(merged, load_with_defaults(parent_path, (*_chain, path)))
     return merge(merged, data)
 
@@ -197,7 +204,9 @@ def _split_key(key: str, origin: str) -> list[str]:
     return parts
 
 
-def apply_override(config: dict[str, Any], override: str, schema_has: Callable[[list[str]], bool] | None = None) -> None:
+def apply_override(
+    config: dict[str, Any], override: str, schema_has: Callable[[list[str]], bool] | None = None
+) -> None:
     """Apply one `a.b=v`, `+a.b=v` or `~a.b` in place.
 
     `a.b=v` needs the key to exist: in the YAML, or (when `schema_has` is given) in the typed
@@ -219,7 +228,9 @@ def apply_override(config: dict[str, Any], override: str, schema_has: Callable[[
     try:
         value = parse_yaml(raw) if raw.strip() else None
     except yaml.YAMLError:
-        raise ConfigError(f"value {raw!r} in override {override!r} is not valid YAML (quote strings with special characters)", key=key) from None
+        raise ConfigError(
+            f"value {raw!r} in override {override!r} is not valid YAML (quote strings with special characters)", key=key
+        ) from None
     in_schema = not adding and schema_has is not None and schema_has(parts) and not _present(config, parts)
     parent = _walk(config, parts[:-1], override, create=adding or in_schema)
     if not adding and not in_schema and parts[-1] not in parent:
@@ -313,7 +324,9 @@ def resolve_interpolations(config: dict[str, Any]) -> dict[str, Any]:
         if produced > MAX_CONFIG_VALUES:
             raise ConfigError(f"expands to more than {MAX_CONFIG_VALUES} values through ${{...}} references", key=path)
         if isinstance(node, (dict, list)) and depth >= MAX_CONFIG_DEPTH:
-            raise ConfigError(f"nested deeper than {MAX_CONFIG_DEPTH} levels (a ${{...}} reference to itself?)", key=path)
+            raise ConfigError(
+                f"nested deeper than {MAX_CONFIG_DEPTH} levels (a ${{...}} reference to itself?)", key=path
+            )
         if isinstance(node, dict):
             return {k: visit(v, f"{path}.{k}" if path else str(k), depth + 1) for k, v in node.items()}
         if isinstance(node, list):
@@ -325,8 +338,12 @@ def resolve_interpolations(config: dict[str, Any]) -> dict[str, Any]:
     return visit(config, "", 0)
 
 
-def load_config_dict(name: str | Path, overrides: Sequence[str] = (), search_dirs: Sequence[Path] = (),
-                     schema_has: Callable[[list[str]], bool] | None = None) -> tuple[Path, dict[str, Any]]:
+def load_config_dict(
+    name: str | Path,
+    overrides: Sequence[str] = (),
+    search_dirs: Sequence[Path] = (),
+    schema_has: Callable[[list[str]], bool] | None = None,
+) -> tuple[Path, dict[str, Any]]:
     """The resolved plain-dict config and the file it came from."""
     path = find_config(name, list(search_dirs))
     config = _strip_override_marks(load_with_defaults(path))

@@ -72,7 +72,8 @@ class GenerationActor:
 
     def open_collective(self, host, port, rank_offset, world_size, backend, metas, bucket_bytes) -> None:
         self._backend_method("open_collective", "collective")(
-            host, port, rank_offset, world_size, backend, metas, bucket_bytes)
+            host, port, rank_offset, world_size, backend, metas, bucket_bytes
+        )
 
     def receive_collective(self, version: int) -> float:
         return self._backend_method("receive_collective", "collective")(version)
@@ -91,7 +92,8 @@ class GenerationActor:
         if method is None:
             raise NotImplementedError(
                 f"the {type(self.generator).__name__} generator has no {feature} support; use "
-                "policy.generation.backend=vllm or policy.generation.weight_transport=object_store")
+                "policy.generation.backend=vllm or policy.generation.weight_transport=object_store"
+            )
         return method
 
     def shutdown(self) -> None:
@@ -115,22 +117,47 @@ def make_generation_actor(
     runtime_env = dict(options.pop("runtime_env", None) or {})
     runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **ACTOR_ENV}
     remote_cls = actor_class(GenerationActor)
-    return remote_cls.options(
-        num_cpus=num_cpus, num_gpus=num_gpus, runtime_env=runtime_env, **options
-    ).remote(backend, model_path, **kwargs)
+    return remote_cls.options(num_cpus=num_cpus, num_gpus=num_gpus, runtime_env=runtime_env, **options).remote(
+        backend, model_path, **kwargs
+    )
 
 
-def place_generators(backend: str, model_path: str, *, gpus_per_node: int, colocated: bool,
-                     separate_gpus: int = 0, policy_placement_group=None, **kwargs: Any) -> list:
+def place_generators(
+    backend: str,
+    model_path: str,
+    *,
+    gpus_per_node: int,
+    colocated: bool,
+    separate_gpus: int = 0,
+    policy_placement_group=None,
+    **kwargs: Any,
+) -> list:
     """Start the generation engines and return their handles (call `ready` to wait); see
     `generator_factories` for where they go."""
-    return [start() for start in generator_factories(
-        backend, model_path, gpus_per_node=gpus_per_node, colocated=colocated, separate_gpus=separate_gpus,
-        policy_placement_group=policy_placement_group, **kwargs)]
+    return [
+        start()
+        for start in generator_factories(
+            backend,
+            model_path,
+            gpus_per_node=gpus_per_node,
+            colocated=colocated,
+            separate_gpus=separate_gpus,
+            policy_placement_group=policy_placement_group,
+            **kwargs,
+        )
+    ]
 
 
-def generator_factories(backend: str, model_path: str, *, gpus_per_node: int, colocated: bool,
-                        separate_gpus: int = 0, policy_placement_group=None, **kwargs: Any) -> list:
+def generator_factories(
+    backend: str,
+    model_path: str,
+    *,
+    gpus_per_node: int,
+    colocated: bool,
+    separate_gpus: int = 0,
+    policy_placement_group=None,
+    **kwargs: Any,
+) -> list:
     """One function per engine that starts it and returns its handle; calling it again starts a
     replacement with the same placement and options (grpo_train.engine_faults). The engines go:
 
@@ -151,19 +178,33 @@ def generator_factories(backend: str, model_path: str, *, gpus_per_node: int, co
 
     if colocated:
         if tensor_parallel_size != 1:
-            raise ValueError("policy.generation.vllm_cfg.tensor_parallel_size: colocated engines on GPUs use 1 GPU each "
-                             "in this version; set policy.generation.colocated.enabled=false for tensor parallelism")
+            raise ValueError(
+                "policy.generation.vllm_cfg.tensor_parallel_size: colocated engines on GPUs use 1 GPU each "
+                "in this version; set policy.generation.colocated.enabled=false for tensor parallelism"
+            )
         bundles = range(policy_placement_group.bundle_count)
         group = policy_placement_group
         num_gpus, kwargs = 0.5, {**kwargs, "enable_sleep_mode": True}
     else:
         engines = separate_gpus // tensor_parallel_size
         if engines < 1:
-            raise ValueError(f"policy.generation.colocated.resources: {separate_gpus} GPUs cannot hold an engine of "
-                             f"tensor_parallel_size={tensor_parallel_size}")
+            raise ValueError(
+                f"policy.generation.colocated.resources: {separate_gpus} GPUs cannot hold an engine of "
+                f"tensor_parallel_size={tensor_parallel_size}"
+            )
         group = placement_group([{"GPU": tensor_parallel_size, "CPU": 1}] * engines, strategy="PACK")
         bundles, num_gpus = range(engines), tensor_parallel_size
-    return [partial(make_generation_actor, backend, model_path, num_cpus=0 if colocated else 1, num_gpus=num_gpus,
-                    actor_options={"scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)},
-                    **kwargs)
-            for i in bundles]
+    return [
+        partial(
+            make_generation_actor,
+            backend,
+            model_path,
+            num_cpus=0 if colocated else 1,
+            num_gpus=num_gpus,
+            actor_options={
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)
+            },
+            **kwargs,
+        )
+        for i in bundles
+    ]

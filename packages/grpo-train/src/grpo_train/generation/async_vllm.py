@@ -91,9 +91,15 @@ class AsyncVllmGenerator:
         # that a weight push has paused, and the reverse.
         self._control = asyncio.Lock()
         engine_kwargs: dict[str, Any] = dict(
-            model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
-            tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
-            logprobs_mode="raw_logprobs", generation_config="vllm", worker_extension_cls=WORKER_EXTENSION,
+            model=model_path,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
+            enforce_eager=enforce_eager,
+            logprobs_mode="raw_logprobs",
+            generation_config="vllm",
+            worker_extension_cls=WORKER_EXTENSION,
             enable_prefix_caching=prefix_caching,
         )
         saved_env = None
@@ -138,20 +144,27 @@ class AsyncVllmGenerator:
         if not sequences:
             return []
         validate_score_inputs(sequences, prompt_lens, self.max_model_len)
-        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY)
+        params = SamplingParams(
+            temperature=0.0, max_tokens=1, prompt_logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY
+        )
         outputs = await self._run_batch([list(s) for s in sequences], params, self.temperature_for_logprobs)
-        return [[out.prompt_logprobs[j][seq[j]].logprob for j in range(plen, len(seq))]
-                for seq, plen, out in zip(sequences, prompt_lens, outputs)]
+        return [
+            [out.prompt_logprobs[j][seq[j]].logprob for j in range(plen, len(seq))]
+            for seq, plen, out in zip(sequences, prompt_lens, outputs)
+        ]
 
-    async def update_weights(self, named_tensors, version: int, in_flight: bool = False,
-                             reset_running_kv: bool = False) -> float:
+    async def update_weights(
+        self, named_tensors, version: int, in_flight: bool = False, reset_running_kv: bool = False
+    ) -> float:
         """`object_store` transport: load HF-named tensors (sent as safetensors bytes)."""
         # the object_store transport's code, loaded when that transport pushes
         from grpo_train.refit.object_store import serialize_weights
 
         start = time.perf_counter()
         check_weight_names(named_tensors, self._weight_names, self.model_path)
-        await self._load("grpo_receive_object_store", (serialize_weights(named_tensors),), version, in_flight, reset_running_kv)
+        await self._load(
+            "grpo_receive_object_store", (serialize_weights(named_tensors),), version, in_flight, reset_running_kv
+        )
         return time.perf_counter() - start
 
     # -- the collective transport (grpo_train.refit.collective) -----------------------------
@@ -160,14 +173,16 @@ class AsyncVllmGenerator:
         """Ranks this engine adds to a collective weight group: one per vLLM worker."""
         return self.tensor_parallel_size
 
-    async def open_collective(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
-                              metas: list, bucket_bytes: int) -> None:
+    async def open_collective(
+        self, host: str, port: int, rank_offset: int, world_size: int, backend: str, metas: list, bucket_bytes: int
+    ) -> None:
         """Join the trainer's weight group (the trainer joins it at the same time). The tensor
         metadata crosses into the engine process as plain rows (vLLM's RPC is msgpack)."""
         check_weight_names([m.name for m in metas], self._weight_names, self.model_path)
         rows = [m.to_row() for m in metas]
-        await self.engine.collective_rpc("grpo_open_collective",
-                                         args=(host, port, rank_offset, world_size, backend, rows, bucket_bytes))
+        await self.engine.collective_rpc(
+            "grpo_open_collective", args=(host, port, rank_offset, world_size, backend, rows, bucket_bytes)
+        )
 
     async def receive_collective(self, version: int, in_flight: bool = False, reset_running_kv: bool = False) -> float:
         """The receiving half of a `collective` push: the same pause/resume as `update_weights`
@@ -186,9 +201,13 @@ class AsyncVllmGenerator:
                 # New requests must never hit prefix KV computed under the old weights. The reset
                 # fails while requests hold KV blocks: in-flight pushes that keep the running KV
                 # need an engine without prefix caching.
-                if self._prefix_caching and not await self.engine.reset_prefix_cache(reset_running_requests=reset_running_kv):
-                    raise RuntimeError("vLLM cannot reset its prefix cache while requests keep their KV: run in-flight "
-                                       "weight updates with prefix_caching=False or reset_running_kv=True")
+                if self._prefix_caching and not await self.engine.reset_prefix_cache(
+                    reset_running_requests=reset_running_kv
+                ):
+                    raise RuntimeError(
+                        "vLLM cannot reset its prefix cache while requests keep their KV: run in-flight "
+                        "weight updates with prefix_caching=False or reset_running_kv=True"
+                    )
                 self._version = int(version)
             finally:
                 await self.engine.resume_generation()
@@ -221,8 +240,10 @@ class AsyncVllmGenerator:
             await self._set_logprob_temperature(temperature)
             await self.engine.pause_generation(mode="keep", clear_cache=False)
             try:
-                queues = [await self.engine.add_request(f"{batch_id}-{i}", TokensPrompt(prompt_token_ids=p), params)
-                          for i, p in enumerate(prompts)]
+                queues = [
+                    await self.engine.add_request(f"{batch_id}-{i}", TokensPrompt(prompt_token_ids=p), params)
+                    for i, p in enumerate(prompts)
+                ]
             finally:
                 await self.engine.resume_generation()
         return list(await asyncio.gather(*(_final_output(q) for q in queues)))
@@ -239,11 +260,15 @@ def _sampling_params(sampling: SamplingSpec, max_tokens: int):
     from vllm.sampling_params import RequestOutputKind
 
     return SamplingParams(
-        n=sampling.n, temperature=0.0 if sampling.is_greedy else 1.0,
+        n=sampling.n,
+        temperature=0.0 if sampling.is_greedy else 1.0,
         top_p=1.0 if sampling.is_greedy else sampling.top_p,
         top_k=0 if sampling.is_greedy else (sampling.top_k_or_none or 0),
-        max_tokens=max_tokens, stop_token_ids=list(sampling.stop_token_ids), stop=list(sampling.stop_strings),
-        logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY,
+        max_tokens=max_tokens,
+        stop_token_ids=list(sampling.stop_token_ids),
+        stop=list(sampling.stop_strings),
+        logprobs=0,
+        output_kind=RequestOutputKind.FINAL_ONLY,
     )
 
 

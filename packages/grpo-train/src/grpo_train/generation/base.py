@@ -118,9 +118,7 @@ def logprob_temperature(sampling: SamplingSpec, temperature_for_logprobs: float)
     return temperature_for_logprobs if sampling.is_greedy else sampling.temperature
 
 
-def fit_prompts(
-    prompts: list[list[int]], max_model_len: int, max_new_tokens: int
-) -> tuple[list[list[int]], int]:
+def fit_prompts(prompts: list[list[int]], max_model_len: int, max_new_tokens: int) -> tuple[list[list[int]], int]:
     """Left-truncate prompts so that prompt + max_new_tokens fits the context window with
     `SCORE_RESERVE` positions to spare (so every finished sample can still be scored, see
     `validate_score_inputs`).
@@ -146,9 +144,11 @@ def fit_prompts(
         fitted.append(list(prompt))
     if cut:
         logger.warning(
-            "%d of %d prompts were longer than max_model_len - max_new_tokens - %d = %d tokens "
-            "and were left-truncated",
-            cut, len(prompts), SCORE_RESERVE, budget,
+            "%d of %d prompts were longer than max_model_len - max_new_tokens - %d = %d tokens and were left-truncated",
+            cut,
+            len(prompts),
+            SCORE_RESERVE,
+            budget,
         )
     return fitted, cut
 
@@ -171,19 +171,13 @@ def check_weight_names(given, expected: set[str] | None, config=None) -> None:
         raise UnsupportedFamilyError(unsupported_names_message(config, missing, extra, len(expected)))
 
 
-def validate_score_inputs(
-    sequences: list[list[int]], prompt_lens: list[int], max_model_len: int
-) -> None:
+def validate_score_inputs(sequences: list[list[int]], prompt_lens: list[int], max_model_len: int) -> None:
     """Raise a clear error for score() inputs no backend can handle."""
     if len(sequences) != len(prompt_lens):
-        raise ValueError(
-            f"score() got {len(sequences)} sequences but {len(prompt_lens)} prompt_lens"
-        )
+        raise ValueError(f"score() got {len(sequences)} sequences but {len(prompt_lens)} prompt_lens")
     for i, (seq, plen) in enumerate(zip(sequences, prompt_lens)):
         if not 1 <= plen <= len(seq):
-            raise ValueError(
-                f"sequence {i}: prompt_len={plen} must be in [1, len(sequence)={len(seq)}]"
-            )
+            raise ValueError(f"sequence {i}: prompt_len={plen} must be in [1, len(sequence)={len(seq)}]")
         if len(seq) > max_model_len - SCORE_RESERVE:
             raise ValueError(
                 f"sequence {i} has {len(seq)} tokens; score() takes at most max_model_len - "

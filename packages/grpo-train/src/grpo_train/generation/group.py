@@ -49,8 +49,11 @@ class GeneratorGroup:
         refs = [e.generate.remote(prompts[s], sampling) for e, s in zip(self.engines, shares)]
         results = []
         for share, part in zip(shares, ray.get(refs)):
-            results += part if share.start == 0 else [
-                dataclasses.replace(r, prompt_index=r.prompt_index + share.start) for r in part]
+            results += (
+                part
+                if share.start == 0
+                else [dataclasses.replace(r, prompt_index=r.prompt_index + share.start) for r in part]
+            )
         return results
 
     def score(self, sequences: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:

@@ -49,9 +49,7 @@ class HFGenerator:
         self.temperature_for_logprobs = float(temperature_for_logprobs)
         self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=getattr(torch, dtype)
-        ).to(self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device)
         self.model.eval()
         # refit.tensors: loaded with the model, in the generator's process
         from grpo_train.refit.tensors import iter_refit_tensors
@@ -111,7 +109,7 @@ class HFGenerator:
                 stopping_criteria=self._stop_string_criteria(sampling, input_ids.shape[1]),
             )
             self._rng.set_state(torch.random.get_rng_state())
-        new_tokens = out.sequences[:, input_ids.shape[1]:].cpu()  # [B*n, L]
+        new_tokens = out.sequences[:, input_ids.shape[1] :].cpu()  # [B*n, L]
         temperature = logprob_temperature(sampling, self.temperature_for_logprobs)
         logits = torch.stack(out.logits, dim=1).float().cpu()  # [B*n, L, V]
         logprobs = torch.log_softmax(logits / temperature, dim=-1)
@@ -157,16 +155,14 @@ class HFGenerator:
         for i, seq in enumerate(sequences):
             ids[i, : len(seq)] = torch.tensor(seq)
             mask[i, : len(seq)] = 1
-        logits = self.model(
-            input_ids=ids.to(self.device), attention_mask=mask.to(self.device)
-        ).logits.float().cpu()  # [N, S, V]
+        logits = (
+            self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits.float().cpu()
+        )  # [N, S, V]
         logprobs = torch.log_softmax(logits / self.temperature_for_logprobs, dim=-1)
         scores = []
         for i, (seq, plen) in enumerate(zip(sequences, prompt_lens)):
             targets = torch.tensor(seq[plen:])
-            scores.append(
-                logprobs[i, plen - 1 : len(seq) - 1].gather(-1, targets[:, None])[:, 0].tolist()
-            )
+            scores.append(logprobs[i, plen - 1 : len(seq) - 1].gather(-1, targets[:, None])[:, 0].tolist())
         return scores
 
     def weight_version(self) -> int:
@@ -186,8 +182,8 @@ class HFGenerator:
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, prompt in enumerate(prompts):
-            ids[i, width - len(prompt):] = torch.tensor(prompt)
-            mask[i, width - len(prompt):] = 1
+            ids[i, width - len(prompt) :] = torch.tensor(prompt)
+            mask[i, width - len(prompt) :] = 1
         return ids.to(self.device), mask.to(self.device)
 
     def _stop_string_criteria(self, sampling: SamplingSpec, prompt_width: int):
@@ -207,9 +203,7 @@ class HFGenerator:
 
         return StoppingCriteriaList([_ResponseStopStrings()])
 
-    def _response_length(
-        self, tokens: list[int], stop_ids: set[int], sampling: SamplingSpec
-    ) -> tuple[int, str]:
+    def _response_length(self, tokens: list[int], stop_ids: set[int], sampling: SamplingSpec) -> tuple[int, str]:
         """Where a sample ended: after its first stop token or the token completing a stop
         string ("stop"), else after max_new_tokens ("length"). Tokens past that are padding."""
         for k, tok in enumerate(tokens, start=1):

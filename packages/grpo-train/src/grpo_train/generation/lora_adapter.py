@@ -37,8 +37,10 @@ def vllm_max_lora_rank(dim: int) -> int:
     for rank in VLLM_MAX_LORA_RANKS:
         if rank >= dim:
             return rank
-    raise ValueError(f"policy.dtensor_cfg.lora_cfg.dim: {dim} exceeds vLLM's largest max_lora_rank "
-                     f"{VLLM_MAX_LORA_RANKS[-1]}; set a smaller dim or refit: merged")
+    raise ValueError(
+        f"policy.dtensor_cfg.lora_cfg.dim: {dim} exceeds vLLM's largest max_lora_rank "
+        f"{VLLM_MAX_LORA_RANKS[-1]}; set a smaller dim or refit: merged"
+    )
 
 
 def lora_int_id(version: int) -> int:
@@ -52,9 +54,11 @@ def adapter_config(named_tensors: dict[str, torch.Tensor], alpha: float, base_mo
     for name, tensor in named_tensors.items():
         owner, _, leaf = name.removesuffix(".weight").rpartition(".")
         if not name.startswith(PREFIX) or leaf not in ("lora_A", "lora_B") or not name.endswith(".weight"):
-            raise ValueError(f"refit: adapter got {name!r}, not a peft adapter tensor "
-                             f"({PREFIX}<module>.lora_A.weight / .lora_B.weight): a full-weight push reached an "
-                             "engine started for adapters")
+            raise ValueError(
+                f"refit: adapter got {name!r}, not a peft adapter tensor "
+                f"({PREFIX}<module>.lora_A.weight / .lora_B.weight): a full-weight push reached an "
+                "engine started for adapters"
+            )
         modules.setdefault(owner, {})[leaf] = tensor
     if not modules:
         raise ValueError("refit: adapter got no adapter tensors")
@@ -65,10 +69,20 @@ def adapter_config(named_tensors: dict[str, torch.Tensor], alpha: float, base_mo
         ranks.update({int(pair["lora_A"].shape[0]), int(pair["lora_B"].shape[1])})
     if len(ranks) != 1:
         raise ValueError(f"refit: adapter got adapters of ranks {sorted(ranks)}; one rank expected")
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": ranks.pop(),
-            "lora_alpha": alpha, "lora_dropout": 0.0, "bias": "none", "use_rslora": False, "use_dora": False,
-            "fan_in_fan_out": False, "modules_to_save": None,
-            "target_modules": sorted({owner.rpartition(".")[2] for owner in modules})}
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": ranks.pop(),
+        "lora_alpha": alpha,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "use_rslora": False,
+        "use_dora": False,
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "target_modules": sorted({owner.rpartition(".")[2] for owner in modules}),
+    }
 
 
 class AdapterFolders:

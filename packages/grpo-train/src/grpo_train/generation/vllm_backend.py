@@ -115,8 +115,12 @@ class VllmGenerator:
             # only adapter-refit (LoRA) runs load the adapter code
             from grpo_train.generation.lora_adapter import AdapterFolders, vllm_max_lora_rank
 
-            engine_kwargs.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(int(lora_adapter["dim"])),
-                                 max_loras=1, max_cpu_loras=1)
+            engine_kwargs.update(
+                enable_lora=True,
+                max_lora_rank=vllm_max_lora_rank(int(lora_adapter["dim"])),
+                max_loras=1,
+                max_cpu_loras=1,
+            )
             self._adapters = AdapterFolders(float(lora_adapter["alpha"]), model_path)
         saved_env = None
         if current_platform.is_cpu():
@@ -164,7 +168,9 @@ class VllmGenerator:
             logprobs=0,  # the sampled token's logprob only
         )
         outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in fitted], params, use_tqdm=False,
+            [TokensPrompt(prompt_token_ids=p) for p in fitted],
+            params,
+            use_tqdm=False,
             lora_request=self._lora_request,
         )
         results = []
@@ -221,11 +227,13 @@ class VllmGenerator:
         """Ranks this engine adds to a collective weight group: one per vLLM worker."""
         return self.tensor_parallel_size
 
-    def open_collective(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
-                        metas: list, bucket_bytes: int) -> None:
+    def open_collective(
+        self, host: str, port: int, rank_offset: int, world_size: int, backend: str, metas: list, bucket_bytes: int
+    ) -> None:
         check_weight_names([m.name for m in metas], self._weight_names, self.model_path)
-        self.llm.collective_rpc("grpo_open_collective",
-                                args=(host, port, rank_offset, world_size, backend, metas, bucket_bytes))
+        self.llm.collective_rpc(
+            "grpo_open_collective", args=(host, port, rank_offset, world_size, backend, metas, bucket_bytes)
+        )
 
     def receive_collective(self, version: int) -> float:
         """The receiving half of a `collective` push (the trainer broadcasts at the same time)."""
@@ -263,15 +271,15 @@ class VllmGenerator:
         self._set_logprob_temperature(self.temperature_for_logprobs)
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
         outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params, use_tqdm=False,
+            [TokensPrompt(prompt_token_ids=list(s)) for s in sequences],
+            params,
+            use_tqdm=False,
             lora_request=self._lora_request,
         )
         scores = []
         for seq, plen, out in zip(sequences, prompt_lens, outputs):
             # prompt_logprobs[j] holds the logprob of token j given tokens < j (entry 0 is None).
-            scores.append(
-                [out.prompt_logprobs[j][seq[j]].logprob for j in range(plen, len(seq))]
-            )
+            scores.append([out.prompt_logprobs[j][seq[j]].logprob for j in range(plen, len(seq))])
         return scores
 
     def weight_version(self) -> int:

@@ -43,8 +43,7 @@ class GrpoWorkerExtension:
         logits_processor = getattr(self.model_runner.get_model(), "logits_processor", None)
         if logits_processor is None or not hasattr(logits_processor, "scale"):
             raise RuntimeError(
-                "this vLLM model has no logits_processor.scale; cannot report temperature-"
-                "scaled logprobs"
+                "this vLLM model has no logits_processor.scale; cannot report temperature-scaled logprobs"
             )
         # Some models carry their own logit scale; keep it and divide on top of it.
         if not hasattr(logits_processor, "_grpo_base_scale"):
@@ -64,8 +63,9 @@ class GrpoWorkerExtension:
 
     # -- transports (grpo_train.refit): each receiver is named after its transport --------------
 
-    def grpo_open_collective(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
-                             metas: list, bucket_bytes: int) -> int:
+    def grpo_open_collective(
+        self, host: str, port: int, rank_offset: int, world_size: int, backend: str, metas: list, bucket_bytes: int
+    ) -> int:
         """`collective`: `grpo_train.refit.collective.open_collective_receiver`."""
         # vLLM imports this class by dotted path: each transport's module loads on its first use
         from grpo_train.refit.collective import open_collective_receiver

@@ -58,8 +58,19 @@ _FWD = "_scaled_dot_product_flash_attention_for_cpu"
 _BWD = "_scaled_dot_product_flash_attention_for_cpu_backward"
 _SEQ_DIM = 2  # q/k/v are [B, heads, S, D]
 _RING_FWD_PARAMS = ("group", "seq_dim", "op", "query", "key", "value", "is_causal")
-_RING_BWD_PARAMS = ("group", "seq_dim", "op", "grad_out", "grad_out_name", "query", "key", "value", "out",
-                    "logsumexp", "is_causal")
+_RING_BWD_PARAMS = (
+    "group",
+    "seq_dim",
+    "op",
+    "grad_out",
+    "grad_out_name",
+    "query",
+    "key",
+    "value",
+    "out",
+    "logsumexp",
+    "is_causal",
+)
 
 
 def _cp_module():
@@ -74,12 +85,14 @@ def check_torch_api() -> None:
 
     cpa = _cp_module()
     problems = []
-    for name, params in (("_templated_ring_attention", _RING_FWD_PARAMS),
-                         ("_templated_ring_attention_backward", _RING_BWD_PARAMS)):
+    for name, params in (
+        ("_templated_ring_attention", _RING_FWD_PARAMS),
+        ("_templated_ring_attention_backward", _RING_BWD_PARAMS),
+    ):
         fn = getattr(cpa, name, None)
         if fn is None:
             problems.append(f"{name} is gone")
-        elif tuple(inspect.signature(fn).parameters)[:len(params)] != params:
+        elif tuple(inspect.signature(fn).parameters)[: len(params)] != params:
             problems.append(f"{name}{inspect.signature(fn)} no longer starts with {params}")
     if not hasattr(getattr(cpa, "_cp_options", None), "enable_load_balance"):
         problems.append("_cp_options.enable_load_balance is gone")
@@ -91,8 +104,10 @@ def check_torch_api() -> None:
         if not hasattr(torch.ops.aten, op):
             problems.append(f"aten.{op} is gone")
     if problems:
-        raise RuntimeError(f"context parallelism on CPU needs torch {torch.__version__}'s private context-parallel "
-                           "API as of 2.13 (grpo_train.policy.context_parallel): " + "; ".join(problems))
+        raise RuntimeError(
+            f"context parallelism on CPU needs torch {torch.__version__}'s private context-parallel "
+            "API as of 2.13 (grpo_train.policy.context_parallel): " + "; ".join(problems)
+        )
 
 
 def _sharded_mesh(op_name: str, args: tuple) -> DeviceMesh:
@@ -102,8 +117,10 @@ def _sharded_mesh(op_name: str, args: tuple) -> DeviceMesh:
     meshes = {a.device_mesh for a in args if isinstance(a, DTensor)}
     placements = {tuple(a.placements) for a in args if isinstance(a, DTensor)}
     if len(meshes) != 1 or placements != {(Shard(_SEQ_DIM),)}:
-        raise NotImplementedError(f"aten.{op_name} on DTensors: only context parallelism's layout (one 1-D mesh, "
-                                  f"Shard({_SEQ_DIM}) everywhere) is handled, got {placements}")
+        raise NotImplementedError(
+            f"aten.{op_name} on DTensors: only context parallelism's layout (one 1-D mesh, "
+            f"Shard({_SEQ_DIM}) everywhere) is handled, got {placements}"
+        )
     return meshes.pop()
 
 
@@ -121,8 +138,10 @@ def _wrap(tensors, mesh) -> tuple:
 
 def _refuse_extras(op_name: str, dropout_p: float, attn_mask) -> None:
     if attn_mask is not None:
-        raise NotImplementedError(f"context parallelism: aten.{op_name} with an attention mask (only causal SDPA "
-                                  "without a mask is ring-sharded)")
+        raise NotImplementedError(
+            f"context parallelism: aten.{op_name} with an attention mask (only causal SDPA "
+            "without a mask is ring-sharded)"
+        )
     if dropout_p:
         raise NotImplementedError(f"context parallelism: aten.{op_name} with attention dropout {dropout_p}")
 
@@ -151,12 +170,20 @@ def _ring_forward(op_call, args: tuple, kwargs: dict) -> tuple:
     is_causal = args[4] if len(args) > 4 else kwargs.get("is_causal", False)
     _refuse_extras(_FWD, dropout_p, kwargs.get("attn_mask"))
     if not is_causal:
-        raise NotImplementedError(f"context parallelism: aten.{_FWD} without is_causal (only causal attention is "
-                                  "load-balanced)")
+        raise NotImplementedError(
+            f"context parallelism: aten.{_FWD} without is_causal (only causal attention is load-balanced)"
+        )
     with _load_balanced():
         out, lse = _cp_module()._templated_ring_attention(
-            mesh.get_group(), _SEQ_DIM, getattr(torch.ops.aten, _FWD).default, query, key, value,
-            is_causal=True, scale=kwargs.get("scale"))
+            mesh.get_group(),
+            _SEQ_DIM,
+            getattr(torch.ops.aten, _FWD).default,
+            query,
+            key,
+            value,
+            is_causal=True,
+            scale=kwargs.get("scale"),
+        )
     return _wrap((out, lse), mesh)
 
 
@@ -169,9 +196,20 @@ def _ring_backward(op_call, args: tuple, kwargs: dict) -> tuple:
     _refuse_extras(_BWD, dropout_p, kwargs.get("attn_mask"))
     with _load_balanced():
         grads = _cp_module()._templated_ring_attention_backward(
-            mesh.get_group(), _SEQ_DIM, getattr(torch.ops.aten, _BWD).default, grad_out=grad_out,
-            grad_out_name="grad_out", query=query, key=key, value=value, out=out, logsumexp=lse,
-            is_causal=is_causal, dropout_p=0.0, scale=kwargs.get("scale"))
+            mesh.get_group(),
+            _SEQ_DIM,
+            getattr(torch.ops.aten, _BWD).default,
+            grad_out=grad_out,
+            grad_out_name="grad_out",
+            query=query,
+            key=key,
+            value=value,
+            out=out,
+            logsumexp=lse,
+            is_causal=is_causal,
+            dropout_p=0.0,
+            scale=kwargs.get("scale"),
+        )
     return _wrap(grads[:3], mesh)
 
 
@@ -180,8 +218,10 @@ def register_cpu_ring_attention() -> None:
     from torch.distributed.tensor import DTensor
 
     check_torch_api()
-    handlers = {getattr(torch.ops.aten, _FWD).default: _ring_forward,
-                getattr(torch.ops.aten, _BWD).default: _ring_backward}
+    handlers = {
+        getattr(torch.ops.aten, _FWD).default: _ring_forward,
+        getattr(torch.ops.aten, _BWD).default: _ring_backward,
+    }
     _cp_module().existing_custom_ops.update(handlers)  # the base table: live outside a CP context too
     DTensor._op_dispatcher._custom_op_handlers.update(handlers)  # the live table (a merged copy inside one)
 
@@ -208,11 +248,15 @@ def cp_model_problem(config) -> str | None:
 
     impl = getattr(config, "_attn_implementation", None) or "sdpa"
     if impl not in ("sdpa", CP_ATTENTION):
-        return (f"the model's attention is attn_implementation={impl!r}; context parallelism rings transformers' "
-                "'sdpa' attention only")
+        return (
+            f"the model's attention is attn_implementation={impl!r}; context parallelism rings transformers' "
+            "'sdpa' attention only"
+        )
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        return (f"the model uses sliding-window attention (sliding_window={config.sliding_window}); context "
-                "parallelism rings full causal attention only")
+        return (
+            f"the model uses sliding-window attention (sliding_window={config.sliding_window}); context "
+            "parallelism rings full causal attention only"
+        )
     if family_of(config).attention_softcap():
         return "the model soft-caps its attention logits, which SDPA (and so its ring) cannot; set 1"
     return None
@@ -247,12 +291,21 @@ class _GatherSequence(torch.autograd.Function):
 
 def _check_right_padded(attention_mask: torch.Tensor) -> None:
     if bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
-        raise ValueError("context parallelism needs right-padded rows (attention_mask ones then zeros): causal "
-                         "attention without a mask must never let a real token see padding")
+        raise ValueError(
+            "context parallelism needs right-padded rows (attention_mask ones then zeros): causal "
+            "attention without a mask must never let a real token see padding"
+        )
 
 
-def cp_sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                         temperature: float, mesh, fused: bool = True, chunk_size: int | None = None) -> torch.Tensor:
+def cp_sequence_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float,
+    mesh,
+    fused: bool = True,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
     """`sequence_logprobs` with the sequence sharded over the 1-D CP `mesh`: [B, S] fp32, every CP
     rank the same full result (differentiable)."""
     from torch.distributed.tensor.experimental import context_parallel
@@ -272,17 +325,26 @@ def cp_sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attent
     buffers = [ids, positions, targets]
     token = _CP_CALL.set(True)
     try:
-        with _load_balanced(), context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1],
-                                                no_restore_buffers=set(buffers)):
-            hidden = backbone(input_ids=ids, position_ids=positions, attention_mask=None,
-                              use_cache=False).last_hidden_state  # [B, width / cp, H]: this rank's chunks
+        with (
+            _load_balanced(),
+            context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)),
+        ):
+            hidden = backbone(
+                input_ids=ids, position_ids=positions, attention_mask=None, use_cache=False
+            ).last_hidden_state  # [B, width / cp, H]: this rank's chunks
     finally:
         _CP_CALL.reset(token)
-    lp = _target_logprobs(model, hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1), temperature, fused,
-                          chunk_size).view(B, -1).float()
+    lp = (
+        _target_logprobs(
+            model, hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1), temperature, fused, chunk_size
+        )
+        .view(B, -1)
+        .float()
+    )
     group = mesh.get_group()
     gathered = _GatherSequence.apply(lp, group)  # [cp, B, width / cp]
     where = _GatherSequence.apply(positions, group)  # the same ranks' token positions
     full = torch.zeros(B, width, dtype=lp.dtype, device=lp.device).scatter(
-        1, where.permute(1, 0, 2).reshape(B, width), gathered.permute(1, 0, 2).reshape(B, width))
-    return F.pad(full[:, :S - 1], (1, 0))  # position t scored token t + 1; 0 at t = 0 as sequence_logprobs
+        1, where.permute(1, 0, 2).reshape(B, width), gathered.permute(1, 0, 2).reshape(B, width)
+    )
+    return F.pad(full[:, : S - 1], (1, 0))  # position t scored token t + 1; 0 at t = 0 as sequence_logprobs

@@ -45,8 +45,9 @@ def read_states(folder: Path) -> dict[str, Any]:
     return {key: load_state(folder, stem) for key, stem in STATE_FILES.items()}
 
 
-def merge_metrics(sums: dict[str, float], metrics: dict[str, Any], mins: tuple[str, ...] = (),
-                  maxes: tuple[str, ...] = ()) -> None:
+def merge_metrics(
+    sums: dict[str, float], metrics: dict[str, Any], mins: tuple[str, ...] = (), maxes: tuple[str, ...] = ()
+) -> None:
     """One micro-batch's metrics into the step's: min or max for the names in mins / maxes, else summed."""
     for key, value in metrics.items():
         value = float(value)
@@ -108,14 +109,17 @@ class WorkerCore:
         lengths = microbatch.row_lengths(batch["attention_mask"])
         return planner, lengths, planner.plan(lengths, batch["input_ids"].shape[1]) if lengths else []
 
-    def _dummy(self, batch: dict[str, torch.Tensor], planner: microbatch.Planner,
-               lengths: list[int]) -> tuple[dict[str, torch.Tensor], microbatch.MicroBatch]:
+    def _dummy(
+        self, batch: dict[str, torch.Tensor], planner: microbatch.Planner, lengths: list[int]
+    ) -> tuple[dict[str, torch.Tensor], microbatch.MicroBatch]:
         """A micro-batch whose result is thrown away, run to keep this rank in step with ranks
         that have more; a rank given no rows (batch smaller than the ranks) runs two pad tokens."""
         if not lengths:
             width = microbatch.MIN_WIDTH
-            batch = {"input_ids": torch.zeros(1, width, dtype=torch.long),
-                     "attention_mask": torch.ones(1, width, dtype=torch.long)}
+            batch = {
+                "input_ids": torch.zeros(1, width, dtype=torch.long),
+                "attention_mask": torch.ones(1, width, dtype=torch.long),
+            }
             lengths = [width]
         return batch, planner.dummy(lengths, batch["input_ids"].shape[1])
 
@@ -124,7 +128,11 @@ class WorkerCore:
         Ranks with fewer run dummy ones, so collectives inside forward/backward (FSDP) stay matched."""
         import torch.distributed as dist
 
-        if not self.lockstep_microbatches or self.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        if (
+            not self.lockstep_microbatches
+            or self.world_size == 1
+            or not (dist.is_available() and dist.is_initialized())
+        ):
             return n
         count = torch.tensor([n], dtype=torch.int64, device=next(self.model.parameters()).device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
@@ -147,12 +155,15 @@ class WorkerCore:
         """The training forward of one micro-batch (run alone for a dummy micro-batch)."""
         raise NotImplementedError
 
-    def _microbatch_loss(self, batch: dict[str, torch.Tensor], mb: microbatch.MicroBatch, global_tokens: float,
-                         global_seqs: float) -> tuple[torch.Tensor, dict[str, Any]]:
+    def _microbatch_loss(
+        self, batch: dict[str, torch.Tensor], mb: microbatch.MicroBatch, global_tokens: float, global_seqs: float
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
         """(loss, metrics) of one micro-batch; metrics hold the loss under metric_prefix + "loss"."""
         raise NotImplementedError
 
-    def _optimizer_step(self, batch: dict[str, torch.Tensor], global_tokens: float, global_seqs: float) -> dict[str, float]:
+    def _optimizer_step(
+        self, batch: dict[str, torch.Tensor], global_tokens: float, global_seqs: float
+    ) -> dict[str, float]:
         """One optimizer step over `batch` in train micro-batches: each micro-batch's loss backward
         (gradients accumulate into the fp32 masters), then `_apply_gradients`."""
         self.optimizer.zero_grad(set_to_none=True)
@@ -181,8 +192,10 @@ class WorkerCore:
         grad_norm = fsdp.clip_grad_norm(self.master.parameters(), max_norm)
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteLossError(f"non-finite {self.step_name} step: loss={loss}, grad_norm={grad_norm}; "
-                                     "the optimizer step was skipped and the last checkpoint is intact")
+            raise NonFiniteLossError(
+                f"non-finite {self.step_name} step: loss={loss}, grad_norm={grad_norm}; "
+                "the optimizer step was skipped and the last checkpoint is intact"
+            )
         self.optimizer.step()
         self.master.refresh()
         self.scheduler.step()
@@ -205,10 +218,16 @@ class WorkerCore:
         """The last optimizer step's (reduced) gradients by parameter name, on CPU (full tensors:
         under FSDP2 every rank calls it, to gather)."""
         if not self._sharded:
-            return {name: m.grad.detach().to("cpu", copy=True)
-                    for name, m in zip(self.master.names, self.master.parameters()) if m.grad is not None}
-        return {name: fsdp.full(p.grad.detach()).to("cpu", copy=True)
-                for name, p in self.model.named_parameters() if p.grad is not None}
+            return {
+                name: m.grad.detach().to("cpu", copy=True)
+                for name, m in zip(self.master.names, self.master.parameters())
+                if m.grad is not None
+            }
+        return {
+            name: fsdp.full(p.grad.detach()).to("cpu", copy=True)
+            for name, p in self.model.named_parameters()
+            if p.grad is not None
+        }
 
     def master_weights(self) -> dict[str, torch.Tensor]:
         """The fp32 master weights by parameter name on CPU (full tensors: under FSDP2 every rank
@@ -227,7 +246,7 @@ class WorkerCore:
         """The LoRA adapters among `masters` (the names under `prefix`: the module peft wraps) in
         PEFT format under ADAPTER_DIR; PeftModel's names are the wrapped module's under base_model.model."""
         assert self.peft is not None
-        adapters = {f"base_model.model.{k[len(prefix):]}": v for k, v in masters.items() if k.startswith(prefix)}
+        adapters = {f"base_model.model.{k[len(prefix) :]}": v for k, v in masters.items() if k.startswith(prefix)}
         self.peft.save_pretrained(str(folder / ADAPTER_DIR), safe_serialization=True, state_dict=adapters)
 
     def _save_states(self, folder: Path, optimizer_state: Any) -> None:
@@ -259,12 +278,17 @@ class WorkerCore:
         """Where this rank runs: Ray node id, IP and pid."""
         import ray
 
-        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "pid": os.getpid(), "rank": self.rank}
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+            "rank": self.rank,
+        }
 
     def _join_process_group(self, master_addr: str, port: int, backend: str) -> None:
         """Join the workers' process group (NCCL on GPUs, gloo on CPU); every rank calls it at once."""
         import torch.distributed as dist
 
-        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{port}", rank=self.rank,
-                                world_size=self.world_size)
+        dist.init_process_group(
+            backend, init_method=f"tcp://{master_addr}:{port}", rank=self.rank, world_size=self.world_size
+        )

@@ -48,8 +48,9 @@ class ForwardRoot(torch.nn.Module):
         return fn(self.model, *args, **kwargs)
 
 
-def shard(model: torch.nn.Module, mesh, cpu_offload: bool = False,
-          compute_dtype: torch.dtype = torch.float32) -> ForwardRoot:
+def shard(
+    model: torch.nn.Module, mesh, cpu_offload: bool = False, compute_dtype: torch.dtype = torch.float32
+) -> ForwardRoot:
     """fully_shard every decoder layer, then the root (a `ForwardRoot`, which holds the rest).
 
     The loss of each rank is already divided by the global token (or sequence) count, so the
@@ -164,8 +165,9 @@ def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def model_state_mismatch(model: torch.nn.Module, state: dict[str, torch.Tensor],
-                         trainable_only: bool = False) -> str | None:
+def model_state_mismatch(
+    model: torch.nn.Module, state: dict[str, torch.Tensor], trainable_only: bool = False
+) -> str | None:
     """Fill the tied names a checkpoint leaves out (in place); what else does not match the model.
     `trainable_only`: the checkpoint holds the trainable parameters only (a LoRA run's adapters)."""
     for names in tied_names(model):
@@ -182,8 +184,9 @@ def scatter_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor], 
     other ranks) into every rank's shards, one tensor broadcast at a time."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
-                                                                strict=strict))
+    set_model_state_dict(
+        model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
+    )
 
 
 def full_optimizer_state(optimizer: torch.optim.Optimizer, keep: bool) -> dict | None:
@@ -191,8 +194,10 @@ def full_optimizer_state(optimizer: torch.optim.Optimizer, keep: bool) -> dict |
     unsharded optimizer over the same parameters returns. Ranks with `keep=False` take part
     in the gathers and get None."""
     state_dict = optimizer.state_dict()
-    state = {index: {key: _gathered(value, keep) for key, value in per_param.items()}
-             for index, per_param in state_dict["state"].items()}
+    state = {
+        index: {key: _gathered(value, keep) for key, value in per_param.items()}
+        for index, per_param in state_dict["state"].items()
+    }
     return {"state": state, "param_groups": state_dict["param_groups"]} if keep else None
 
 
@@ -210,9 +215,13 @@ def optimizer_skeleton(optimizer: torch.optim.Optimizer, full_state: dict) -> di
     count = sum(len(group["params"]) for group in full_state["param_groups"])
     if count != len(params):
         return f"optimizer state has {count} parameters; the model has {len(params)}"
-    state = {index: {key: Scattered(value.dtype) if _per_element(params[index], value) else value
-                     for key, value in per_param.items()}
-             for index, per_param in full_state["state"].items()}
+    state = {
+        index: {
+            key: Scattered(value.dtype) if _per_element(params[index], value) else value
+            for key, value in per_param.items()
+        }
+        for index, per_param in full_state["state"].items()
+    }
     return {"state": state, "param_groups": full_state["param_groups"]}
 
 
@@ -229,10 +238,14 @@ def scatter_optimizer_state(optimizer: torch.optim.Optimizer, skeleton: dict, fu
         for key, value in per_param.items():
             if isinstance(value, Scattered):
                 param = params[index]
-                source = (full_state["state"][index][key] if full_state is not None
-                          else torch.empty(param.shape, dtype=value.dtype))
-                value = distribute_tensor(source.to(param.device_mesh.device_type), param.device_mesh,
-                                          param.placements, src_data_rank=0)
+                source = (
+                    full_state["state"][index][key]
+                    if full_state is not None
+                    else torch.empty(param.shape, dtype=value.dtype)
+                )
+                value = distribute_tensor(
+                    source.to(param.device_mesh.device_type), param.device_mesh, param.placements, src_data_rank=0
+                )
             state[index][key] = value
     return {"state": state, "param_groups": skeleton["param_groups"]}
 

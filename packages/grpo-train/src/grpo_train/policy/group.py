@@ -71,8 +71,17 @@ def combine_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
 class PolicyGroup(RankGroup):
     """N data-parallel `PolicyWorker` actors behind the worker's method names."""
 
-    def __init__(self, model_path: str, policy_cfg: PolicyConfig, loss_cfg: LossConfig, cluster: ClusterConfig,
-                 seed: int, num_threads: int = 1, colocated_generation: bool = False, start: bool = True) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        policy_cfg: PolicyConfig,
+        loss_cfg: LossConfig,
+        cluster: ClusterConfig,
+        seed: int,
+        num_threads: int = 1,
+        colocated_generation: bool = False,
+        start: bool = True,
+    ) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         # the worker module (torch, transformers) loads when the group starts its actors
@@ -93,9 +102,15 @@ class PolicyGroup(RankGroup):
         gpus = (0.5 if self.colocated_generation else 1.0) if self.on_gpus else 0
         actor = actor_class(PolicyWorker)
         self.workers = [
-            actor.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                self.placement_group, placement_group_bundle_index=rank)).remote(
-                model_path, policy_cfg, loss_cfg, seed, rank=rank, world_size=self.world_size, num_threads=num_threads)
+            actor.options(
+                num_cpus=1,
+                num_gpus=gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.placement_group, placement_group_bundle_index=rank
+                ),
+            ).remote(
+                model_path, policy_cfg, loss_cfg, seed, rank=rank, world_size=self.world_size, num_threads=num_threads
+            )
             for rank in range(self.world_size)
         ]
         self._sharded = False  # FSDP2: the ranks say so when they join (start)

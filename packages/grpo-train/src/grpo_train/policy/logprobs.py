@@ -42,16 +42,26 @@ BUCKET_RATIO = 0.8
 
 
 # ------------------------------------------------------------------------------ logprobs
-def _target_logprobs(model: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-                     fused: bool, chunk_size: int | None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+def _target_logprobs(
+    model: torch.nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    fused: bool,
+    chunk_size: int | None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
     """grpo_kernels' (fused) lm_head logprob op on hidden [N, H] -> [N], with what the model's
     family does to logits after the head (`model_families`: a logit scale folds into the
     temperature; a soft-cap needs the logits, so it takes the unfused path)."""
     family = family_of(model.config)
     scale, cap = family.logit_scale(), family.logit_softcap()
     head = model.get_output_embeddings()
-    kwargs = {"temperature": temperature * scale if cap is None else temperature, "ignore_index": IGNORE_INDEX,
-              "cu_seqlens": cu_seqlens}
+    kwargs = {
+        "temperature": temperature * scale if cap is None else temperature,
+        "ignore_index": IGNORE_INDEX,
+        "cu_seqlens": cu_seqlens,
+    }
     if (tp := tp_state(model)) is not None:  # a column-parallel head: this rank's vocab slice of the logits
         logits = head(hidden)  # [N, V / tp]
         if cap is not None:  # elementwise, so it applies shard by shard
@@ -70,8 +80,14 @@ def _target_logprobs(model: torch.nn.Module, hidden: torch.Tensor, targets: torc
     return grpo_kernels.token_logprobs(head(hidden), targets, **kwargs)
 
 
-def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
-                      fused: bool = True, chunk_size: int | None = None) -> torch.Tensor:
+def sequence_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float,
+    fused: bool = True,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
     """log p(x_t | x_<t) for t >= 1, 0 at t = 0 and on padding: [B, S] fp32."""
     B, S = input_ids.shape
     if family_of(model.config).attention_softcap():  # transformers' SDPA drops it; ours applies it
@@ -83,14 +99,19 @@ def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention
     if tp is not None:
         hidden = tp.gather_sequence(hidden, dim=1)
         input_ids, attention_mask = input_ids[:, :S], attention_mask[:, :S]
-    hidden = hidden[:, :S - 1]  # [B, S-1, H]
+    hidden = hidden[:, : S - 1]  # [B, S-1, H]
     targets = input_ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, IGNORE_INDEX).reshape(-1)  # [B*(S-1)]
     lp = _target_logprobs(model, hidden.reshape(-1, hidden.shape[-1]), targets, temperature, fused, chunk_size)
     return F.pad(lp.view(B, S - 1).float(), (1, 0))
 
 
-def packed_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                         cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+def packed_hidden_states(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+) -> torch.Tensor:
     """The last hidden states of a packed stream: [T, H]. `model` is an HF causal LM or a bare
     backbone (its `base_model` runs); it is switched to an attention that honours the boundaries
     first (see the module docstring).
@@ -99,8 +120,10 @@ def packed_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, positi
     must cover all T tokens (a padding tail is a sequence of its own).
     """
     if int(cu_seqlens[-1]) != input_ids.shape[0]:
-        raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])} but the stream has {input_ids.shape[0]} tokens; "
-                         "give a padding tail a segment of its own")
+        raise ValueError(
+            f"cu_seqlens ends at {int(cu_seqlens[-1])} but the stream has {input_ids.shape[0]} tokens; "
+            "give a padding tail a segment of its own"
+        )
     use_packed_attention(model)
     n_tokens = input_ids.shape[0]
     if (tp := tp_state(model)) is not None and (pad := tp.pad_to(n_tokens)):  # SP: a padding segment of its own
@@ -112,28 +135,52 @@ def packed_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, positi
     try:
         base: torch.nn.Module = model.base_model  # pyright: ignore[reportAssignmentType]
         hidden = base(
-            input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=None, use_cache=False,
-            cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_seqlen, max_length_k=max_seqlen,
+            input_ids=input_ids[None],
+            position_ids=position_ids[None],
+            attention_mask=None,
+            use_cache=False,
+            cu_seq_lens_q=cu,
+            cu_seq_lens_k=cu,
+            max_length_q=max_seqlen,
+            max_length_k=max_seqlen,
         ).last_hidden_state[0]  # [T, H] ([T / tp, H] under SP)
     finally:
         _PACKED_CALL.reset(token)
     return hidden if tp is None else tp.gather_sequence(hidden, dim=0)[:n_tokens]
 
 
-def packed_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                    max_seqlen: int, temperature: float, fused: bool = True, chunk_size: int | None = None) -> torch.Tensor:
+def packed_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    temperature: float,
+    fused: bool = True,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
     """log p(x_t | x_<t) of a packed stream: [T] fp32, 0 at the first token of every sequence
     (inputs as in `packed_hidden_states`)."""
     hidden = packed_hidden_states(model, input_ids, position_ids, cu_seqlens, max_seqlen)  # [T, H]
     # With cu_seqlens the op scores input_ids[t + 1] at t inside each sequence (0 at its last token).
-    lp = _target_logprobs(model, hidden, input_ids, temperature, fused, chunk_size, cu_seqlens=cu_seqlens.to(input_ids.device))
+    lp = _target_logprobs(
+        model, hidden, input_ids, temperature, fused, chunk_size, cu_seqlens=cu_seqlens.to(input_ids.device)
+    )
     return F.pad(lp[:-1].float(), (1, 0))  # [T]: token t holds log p(x_t | x_<t)
 
 
 # ---------------------------------------------------------------- attention on packed input
-def varlen_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                          attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                          sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+def varlen_sdpa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """transformers attention function: causal attention within each packed sequence.
 
     query [1, Hq, T, D], key/value [1, Hkv, T, D] -> ([1, T, Hq, D], None). Packed calls carry
@@ -148,19 +195,38 @@ def varlen_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     if cu is None and softcap:
         return _softcap_attention(query, key, value, attention_mask, scaling, softcap).transpose(1, 2), None
     if cu is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     max_len, n_q, n_kv = int(kwargs["max_length_q"]), query.shape[1], key.shape[1]
     if sliding_window is not None and max_len > sliding_window:  # shorter sequences never reach the window
-        raise NotImplementedError("packed sequences with sliding-window attention are not supported; "
-                                  "disable policy.sequence_packing for this model")
+        raise NotImplementedError(
+            "packed sequences with sliding-window attention are not supported; "
+            "disable policy.sequence_packing for this model"
+        )
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects one stream (batch 1), got batch {query.shape[0]}")
     varlen = _torch_varlen_attn()
-    if (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dropout == 0.0 and varlen is not None
-            and not softcap):
+    if (
+        query.is_cuda
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and dropout == 0.0
+        and varlen is not None
+        and not softcap
+    ):
         cu32 = cu.to(torch.int32)
-        out = varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu32, cu32, max_len, max_len,
-                     scale=scaling, window_size=(-1, 0), enable_gqa=n_q != n_kv)  # [T, Hq, D]
+        out = varlen(
+            query[0].transpose(0, 1),
+            key[0].transpose(0, 1),
+            value[0].transpose(0, 1),
+            cu32,
+            cu32,
+            max_len,
+            max_len,
+            scale=scaling,
+            window_size=(-1, 0),
+            enable_gqa=n_q != n_kv,
+        )  # [T, Hq, D]
         return out[None], None
     qkv = torch.cat([query[0], key[0], value[0]], dim=0).transpose(0, 1)  # [T, Hq + 2 Hkv, D]
     out = _bucketed_causal_attention(qkv, cu.to(torch.int64), (n_q, n_kv), dropout, scaling, softcap)  # [T, Hq, D]
@@ -177,8 +243,14 @@ def _length_buckets(lengths: list[int]) -> list[list[int]]:
     return buckets
 
 
-def _bucketed_causal_attention(qkv: torch.Tensor, cu: torch.Tensor, heads: tuple[int, int], dropout: float,
-                               scaling: float | None, softcap: float | None = None) -> torch.Tensor:
+def _bucketed_causal_attention(
+    qkv: torch.Tensor,
+    cu: torch.Tensor,
+    heads: tuple[int, int],
+    dropout: float,
+    scaling: float | None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """Causal attention of every sequence of a packed stream, one padded SDPA call per bucket of
     similar lengths. qkv [T, Hq + 2 Hkv, D] (cu covers all T tokens) -> [T, Hq, D].
 
@@ -198,8 +270,9 @@ def _bucketed_causal_attention(qkv: torch.Tensor, cu: torch.Tensor, heads: tuple
         if softcap:
             o = _softcap_attention(q, k, v, None, scaling, softcap)
         else:
-            o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling,
-                                               enable_gqa=n_q != n_kv)  # [n, Hq, L, D]
+            o = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=n_q != n_kv
+            )  # [n, Hq, L, D]
         keep = valid.reshape(-1).nonzero().squeeze(1)
         outs.append(o.transpose(1, 2).reshape(-1, n_q, D).index_select(0, keep))
         rows.append(src[keep])
@@ -207,8 +280,14 @@ def _bucketed_causal_attention(qkv: torch.Tensor, cu: torch.Tensor, heads: tuple
     return torch.cat(outs).index_select(0, order)
 
 
-def _softcap_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                       scaling: float | None, softcap: float) -> torch.Tensor:
+def _softcap_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float | None,
+    softcap: float,
+) -> torch.Tensor:
     """Attention with soft-capped scores, cap * tanh(scores / cap), as Gemma 2 defines it (eager
     math: no fused kernel caps). query [B, Hq, Q, D], key/value [B, Hkv, K, D]; mask: transformers'
     SDPA mask (bool, True attends, or additive) or None for plain causal -> [B, Hq, Q, D]."""
@@ -244,6 +323,7 @@ def _register_varlen_attention() -> None:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(VARLEN_ATTENTION, varlen_sdpa_attention)
+
     def varlen_mask(*args, **kwargs):  # unpacked calls build SDPA's masks, packed ones none
         return None if _PACKED_CALL.get() else sdpa_mask(*args, **kwargs)
 

@@ -37,7 +37,11 @@ def peft_config(cfg: LoRAConfig, task_type: str | None = "CAUSAL_LM"):
     from peft import LoraConfig
 
     return LoraConfig(
-        r=cfg.dim, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, bias="none", task_type=task_type,
+        r=cfg.dim,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        bias="none",
+        task_type=task_type,
         target_modules="all-linear" if cfg.match_all_linear else list(cfg.target_modules),
         exclude_modules=list(cfg.exclude_modules) or None,
     )
@@ -56,13 +60,19 @@ def check_lora(model: torch.nn.Module, cfg: LoRAConfig, key: str = KEY) -> None:
     lora_cfg's path (the policy's, or value.lora_cfg)."""
     config = getattr(model, "config", None)
     if any(getattr(config, k, None) for k in MOE_CONFIG_KEYS):
-        raise LoRAConfigError("LoRA on mixture-of-experts models is not supported (their expert weights are fused "
-                              "parameters, not linear layers peft adapts); set enabled: false", key=f"{key}.enabled")
+        raise LoRAConfigError(
+            "LoRA on mixture-of-experts models is not supported (their expert weights are fused "
+            "parameters, not linear layers peft adapts); set enabled: false",
+            key=f"{key}.enabled",
+        )
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     for pattern in cfg.target_modules:
         if not any(_matches(n, pattern) for n in linears):
-            raise LoRAConfigError(f"{pattern!r} matches no linear module of the model (e.g. {linears[0]!r}); "
-                                  "set module names or suffixes such as q_proj", key=f"{key}.target_modules")
+            raise LoRAConfigError(
+                f"{pattern!r} matches no linear module of the model (e.g. {linears[0]!r}); "
+                "set module names or suffixes such as q_proj",
+                key=f"{key}.target_modules",
+            )
     head = "lm_head"
     if cfg.match_all_linear:  # peft's "all-linear" leaves the output head out
         chosen = [n for n in linears if n != head]
@@ -70,15 +80,19 @@ def check_lora(model: torch.nn.Module, cfg: LoRAConfig, key: str = KEY) -> None:
         chosen = [n for n in linears if any(_matches(n, p) for p in cfg.target_modules)]
     chosen = [n for n in chosen if not any(_matches(n, p) for p in cfg.exclude_modules)]
     if not chosen:
-        raise LoRAConfigError("excludes every module the selection chose: no layer gets an adapter; "
-                              "set fewer exclude_modules", key=f"{key}.exclude_modules")
+        raise LoRAConfigError(
+            "excludes every module the selection chose: no layer gets an adapter; set fewer exclude_modules",
+            key=f"{key}.exclude_modules",
+        )
     if head in chosen and getattr(config, "tie_word_embeddings", False):
-        raise LoRAConfigError("an adapter on lm_head of a model with tied embeddings is not supported; "
-                              "set target_modules without lm_head", key=f"{key}.target_modules")
+        raise LoRAConfigError(
+            "an adapter on lm_head of a model with tied embeddings is not supported; "
+            "set target_modules without lm_head",
+            key=f"{key}.target_modules",
+        )
 
 
-def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, seed: int, task_type: str | None = "CAUSAL_LM",
-               key: str = KEY):
+def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, seed: int, task_type: str | None = "CAUSAL_LM", key: str = KEY):
     """Inject adapters into `model` in place and return the PeftModel around it (for
     `disable_adapter` and `save_pretrained`). Only adapter parameters require grad. lora_A is
     drawn from a generator seeded by `seed` alone, so every data-parallel rank starts from the
@@ -97,7 +111,7 @@ def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, seed: int, task_type: st
             if cfg.lora_A_init == "xavier":
                 torch.nn.init.xavier_uniform_(weight, generator=gen)
             else:  # peft's own default: kaiming-uniform with a = sqrt(5)
-                torch.nn.init.kaiming_uniform_(weight, a=5 ** 0.5, generator=gen)
+                torch.nn.init.kaiming_uniform_(weight, a=5**0.5, generator=gen)
             torch.nn.init.zeros_(cast(torch.Tensor, layer.lora_B[ADAPTER].weight))
     return peft_model
 

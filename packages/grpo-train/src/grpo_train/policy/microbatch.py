@@ -61,7 +61,9 @@ def row_lengths(attention_mask: torch.Tensor) -> list[int]:
     right_padded = torch.arange(attention_mask.shape[1], device=attention_mask.device)[None, :] < lengths[:, None]
     if not torch.equal(attention_mask.bool(), right_padded):
         bad = int((attention_mask.bool() != right_padded).any(dim=1).nonzero()[0])
-        raise ValueError(f"attention_mask row {bad} is not right-padded (1s then 0s); micro-batching needs right padding")
+        raise ValueError(
+            f"attention_mask row {bad} is not right-padded (1s then 0s); micro-batching needs right padding"
+        )
     return lengths.tolist()
 
 
@@ -158,8 +160,10 @@ class DynamicBatching(_TokenBudget):
                 width = self.rounded(int(lengths[row]), min(self.budget, batch_width))
                 groups.append((max(min(MIN_WIDTH, batch_width), width), []))
             groups[-1][1].append(row)
-        return [MicroBatch(tuple(sorted(rows)), tuple(int(lengths[r]) for r in sorted(rows)), width)
-                for width, rows in groups]
+        return [
+            MicroBatch(tuple(sorted(rows)), tuple(int(lengths[r]) for r in sorted(rows)), width)
+            for width, rows in groups
+        ]
 
 
 class SequencePacking(_TokenBudget):
@@ -172,7 +176,9 @@ class SequencePacking(_TokenBudget):
     def __init__(self, budget: int, round_to: int, key: str, algorithm: str = "modified_first_fit_decreasing"):
         super().__init__(budget, round_to, key)
         if algorithm not in PACKING_ALGORITHMS:
-            raise ValueError(f"policy.sequence_packing.algorithm={algorithm!r}; expected one of {sorted(PACKING_ALGORITHMS)}")
+            raise ValueError(
+                f"policy.sequence_packing.algorithm={algorithm!r}; expected one of {sorted(PACKING_ALGORITHMS)}"
+            )
         self.algorithm = algorithm
 
     @classmethod
@@ -209,8 +215,9 @@ def make_planner(cfg: PolicyConfig, purpose: Purpose) -> Planner:
 
 
 # ------------------------------------------------------------------------------ layouts
-def rows_of(batch: dict[str, torch.Tensor], rows: Sequence[int], width: int,
-            device: torch.device | None = None) -> dict[str, torch.Tensor]:
+def rows_of(
+    batch: dict[str, torch.Tensor], rows: Sequence[int], width: int, device: torch.device | None = None
+) -> dict[str, torch.Tensor]:
     """The micro-batch's rows of every tensor, on `device`: [B, S] -> [len(rows), width],
     [B] -> [len(rows)]."""
     out = {}
@@ -231,7 +238,9 @@ class PackedRows:
     num_rows: int  # n: the first n segments are the rows
 
 
-def pack_rows(input_ids: torch.Tensor, mb: MicroBatch, device: torch.device | None = None, pad_id: int = 0) -> PackedRows:
+def pack_rows(
+    input_ids: torch.Tensor, mb: MicroBatch, device: torch.device | None = None, pad_id: int = 0
+) -> PackedRows:
     """input_ids [B, S] (right-padded) -> the packed stream of mb's rows, `mb.width` tokens, on `device`."""
     from grpo_kernels.pack_tensors import pack_padded
 

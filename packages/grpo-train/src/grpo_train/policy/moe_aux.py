@@ -35,8 +35,10 @@ def _loss_func(model_cls: type):
 def check_moe_model_class(model_cls: type, model_type: str) -> None:
     """Raise NotMoEError unless `model_cls` declares router logits and its module has the loss."""
     if _router_recorder(model_cls) is None or _loss_func(model_cls) is None:
-        raise NotMoEError(f"model type {model_type!r} ({model_cls.__name__}) has no MoE router logits "
-                          "(load-balancing loss needs a mixture-of-experts model); set it to 0")
+        raise NotMoEError(
+            f"model type {model_type!r} ({model_cls.__name__}) has no MoE router logits "
+            "(load-balancing loss needs a mixture-of-experts model); set it to 0"
+        )
 
 
 def check_moe_config(config) -> None:

@@ -24,8 +24,15 @@ PARTS = ("weights", "gradients", "optimizer", "reference")
 
 
 @torch.no_grad()
-def move_parts(parts: Iterable[str], device: torch.device | str, model: torch.nn.Module, masters: list,
-               optimizer: torch.optim.Optimizer, reference: torch.nn.Module | None, offloading: bool = True) -> None:
+def move_parts(
+    parts: Iterable[str],
+    device: torch.device | str,
+    model: torch.nn.Module,
+    masters: list,
+    optimizer: torch.optim.Optimizer,
+    reference: torch.nn.Module | None,
+    offloading: bool = True,
+) -> None:
     """Move `parts` of the state to `device` (gradients: freed when `offloading`, nothing to bring back);
     `masters` are the optimizer's parameters (the module's own when they are not separate fp32 copies)."""
     for part in parts:
@@ -60,14 +67,16 @@ def _swap_device(p: torch.nn.Parameter, device: torch.device | str) -> None:
         p.grad = grad.to(device)
 
 
-def state_tensors(model: torch.nn.Module, masters: list, optimizer: torch.optim.Optimizer,
-                  reference: torch.nn.Module | None) -> dict[str, list[torch.Tensor]]:
+def state_tensors(
+    model: torch.nn.Module, masters: list, optimizer: torch.optim.Optimizer, reference: torch.nn.Module | None
+) -> dict[str, list[torch.Tensor]]:
     """Every tensor of each part (what `move_parts` is responsible for), for tests and accounting."""
     params = [*model.parameters(), *masters]
     return {
         "weights": [*params, *model.buffers()],
         "gradients": [p.grad for p in params if p.grad is not None],
-        "optimizer": [v for s in optimizer.state.values() for v in s.values()
-                      if isinstance(v, torch.Tensor) and v.dim() > 0],
+        "optimizer": [
+            v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0
+        ],
         "reference": [*reference.parameters(), *reference.buffers()] if reference is not None else [],
     }

@@ -37,8 +37,9 @@ def build_optimizer(params, cfg: OptimizerConfig, key: str = "policy.optimizer")
     return cls(params, **kwargs)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, entries: list[SchedulerEntry],
-                    key: str = "policy.scheduler") -> torch.optim.lr_scheduler.LRScheduler:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, entries: list[SchedulerEntry], key: str = "policy.scheduler"
+) -> torch.optim.lr_scheduler.LRScheduler:
     """NeMo RL's format: scheduler entries chained by SequentialLR, `milestones` on the last entry."""
     milestones = None
     schedulers = []

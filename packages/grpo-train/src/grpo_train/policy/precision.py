@@ -63,8 +63,9 @@ class MasterWeights:
         self.names = [name for name, _ in named]
         self.compute = [p for _, p in named]
         if self.mixed:
-            self.masters = [torch.nn.Parameter(p.detach().float().clone(), requires_grad=p.requires_grad)
-                            for p in self.compute]
+            self.masters = [
+                torch.nn.Parameter(p.detach().float().clone(), requires_grad=p.requires_grad) for p in self.compute
+            ]
             cast_parameters(module, dtype)
         else:
             self.masters = self.compute
@@ -124,7 +125,9 @@ class MasterWeights:
         return self.module
 
 
-def compute_tensors(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def compute_tensors(
+    named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) with floating tensors in the compute dtype: what a refit pushes and an HF
     export writes (FSDP2's full tensors are the fp32 masters)."""
     for name, tensor in named:

@@ -80,28 +80,36 @@ def llama_style_plan(model: torch.nn.Module, sequence_parallel: bool) -> dict[st
     }
     for i in range(len(list(model.get_submodule("model.layers").children()))):
         prefix = f"model.layers.{i}"
-        plan.update({
-            f"{prefix}.self_attn.q_proj": ColwiseParallel(),
-            f"{prefix}.self_attn.k_proj": ColwiseParallel(),
-            f"{prefix}.self_attn.v_proj": ColwiseParallel(),
-            f"{prefix}.self_attn.o_proj": RowwiseParallel(output_layouts=block_out),
-            f"{prefix}.mlp.gate_proj": ColwiseParallel(),
-            f"{prefix}.mlp.up_proj": ColwiseParallel(),
-            f"{prefix}.mlp.down_proj": RowwiseParallel(output_layouts=block_out),
-        })
+        plan.update(
+            {
+                f"{prefix}.self_attn.q_proj": ColwiseParallel(),
+                f"{prefix}.self_attn.k_proj": ColwiseParallel(),
+                f"{prefix}.self_attn.v_proj": ColwiseParallel(),
+                f"{prefix}.self_attn.o_proj": RowwiseParallel(output_layouts=block_out),
+                f"{prefix}.mlp.gate_proj": ColwiseParallel(),
+                f"{prefix}.mlp.up_proj": ColwiseParallel(),
+                f"{prefix}.mlp.down_proj": RowwiseParallel(output_layouts=block_out),
+            }
+        )
         if sequence_parallel:
-            plan.update({
-                f"{prefix}.input_layernorm": SequenceParallel(use_local_output=True),
-                f"{prefix}.post_attention_layernorm": SequenceParallel(use_local_output=True),
-                f"{prefix}.self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                                          desired_input_kwarg_layouts={"hidden_states": Replicate()},
-                                                          use_local_output=True),
-                f"{prefix}.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                                    use_local_output=True),
-            })
+            plan.update(
+                {
+                    f"{prefix}.input_layernorm": SequenceParallel(use_local_output=True),
+                    f"{prefix}.post_attention_layernorm": SequenceParallel(use_local_output=True),
+                    f"{prefix}.self_attn": PrepareModuleInput(
+                        input_kwarg_layouts={"hidden_states": Shard(1)},
+                        desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                        use_local_output=True,
+                    ),
+                    f"{prefix}.mlp": PrepareModuleInput(
+                        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+                    ),
+                }
+            )
     if sequence_parallel:
-        plan["model.layers.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                                    use_local_output=True)
+        plan["model.layers.0"] = PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
+        )
         plan["model.norm"] = SequenceParallel(use_local_output=True)
     return plan
 
@@ -128,13 +136,16 @@ def choose_plan(model: torch.nn.Module, sequence_parallel: bool, custom_plan: st
         return dict(obj) if isinstance(obj, dict) else dict(obj(model, sequence_parallel))
     model_type = str(getattr(model.config, "model_type", "?"))
     if model_type not in LLAMA_STYLE:
-        raise ValueError(f"no tensor-parallel plan for model type {model_type!r} (built in: {', '.join(LLAMA_STYLE)}); "
-                         "set policy.dtensor_cfg.custom_parallel_plan to 'module:object'")
+        raise ValueError(
+            f"no tensor-parallel plan for model type {model_type!r} (built in: {', '.join(LLAMA_STYLE)}); "
+            "set policy.dtensor_cfg.custom_parallel_plan to 'module:object'"
+        )
     return llama_style_plan(model, sequence_parallel)
 
 
-def apply_tensor_parallel(model: torch.nn.Module, tp_mesh, sequence_parallel: bool = False,
-                          custom_plan: str | None = None) -> torch.nn.Module:
+def apply_tensor_parallel(
+    model: torch.nn.Module, tp_mesh, sequence_parallel: bool = False, custom_plan: str | None = None
+) -> torch.nn.Module:
     """Parallelize `model` in place over the 1-D `tp_mesh` and return it. A tied lm_head is
     re-tied to the (identically sharded) embedding weight afterwards, so the two stay one
     parameter whose gradient sums both uses."""

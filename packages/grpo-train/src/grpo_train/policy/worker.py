@@ -31,12 +31,30 @@ _MIN_METRICS = ("ratio_min", "clipped_ratio_min")
 _MAX_METRICS = ("ratio_max", "clipped_ratio_max", "max_seq_mult_prob_error")
 # Tokenizer files of the source model that a checkpoint's model folder carries along, so that the
 # folder loads alone (vLLM in `grpo eval --checkpoint` reads its tokenizer from the model folder).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 # Re-exported: checkpoint names the core (core.py) owns; MASTERS_FILE holds the fp32 masters of a
 # mixed-precision run (model/ holds the compute dtype).
-__all__ = ["ADAPTER_DIR", "MASTERS_FILE", "STATE_FILES", "TOKENIZER_FILES", "NonFiniteLossError", "PolicyWorker",
-           "export_merged", "pg_loss_config", "read_checkpoint"]
+__all__ = [
+    "ADAPTER_DIR",
+    "MASTERS_FILE",
+    "STATE_FILES",
+    "TOKENIZER_FILES",
+    "NonFiniteLossError",
+    "PolicyWorker",
+    "export_merged",
+    "pg_loss_config",
+    "read_checkpoint",
+]
 
 
 def export_merged(model: torch.nn.Module, merged: dict[str, torch.Tensor], folder: Path) -> None:
@@ -48,8 +66,11 @@ def export_merged(model: torch.nn.Module, merged: dict[str, torch.Tensor], folde
     for part in ("config", "generation_config"):  # the HF model's PretrainedConfig / GenerationConfig
         if (config := getattr(model, part, None)) is not None:
             config.save_pretrained(str(folder))
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in merged.items()}, str(folder / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.detach().to("cpu").contiguous() for k, v in merged.items()},
+        str(folder / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
 
 
 def read_checkpoint(folder: Path) -> dict:
@@ -81,8 +102,16 @@ class PolicyWorker(WorkerCore):
     min_metrics, max_metrics = _MIN_METRICS, _MAX_METRICS
     cfg: PolicyConfig
 
-    def __init__(self, model_path: str, policy_cfg: PolicyConfig, loss_cfg: LossConfig, seed: int,
-                 rank: int = 0, world_size: int = 1, num_threads: int | None = None):
+    def __init__(
+        self,
+        model_path: str,
+        policy_cfg: PolicyConfig,
+        loss_cfg: LossConfig,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        num_threads: int | None = None,
+    ):
         from transformers import AutoModelForCausalLM
 
         super().__init__(policy_cfg, seed + rank, rank, world_size, num_threads)
@@ -131,23 +160,46 @@ class PolicyWorker(WorkerCore):
             # context_parallel (torch's ring attention internals): loaded only under context_parallel_size > 1
             from grpo_train.policy.context_parallel import cp_sequence_logprobs
 
-            return self._run(model, cp_sequence_logprobs, batch["input_ids"], batch["attention_mask"],
-                             self.temperature, self._cp_mesh, fused=self.cfg.use_fused_kernels,
-                             chunk_size=self.cfg.logprob_chunk_size)
-        return self._run(model, sequence_logprobs, batch["input_ids"], batch["attention_mask"], self.temperature,
-                         fused=self.cfg.use_fused_kernels, chunk_size=self.cfg.logprob_chunk_size)
+            return self._run(
+                model,
+                cp_sequence_logprobs,
+                batch["input_ids"],
+                batch["attention_mask"],
+                self.temperature,
+                self._cp_mesh,
+                fused=self.cfg.use_fused_kernels,
+                chunk_size=self.cfg.logprob_chunk_size,
+            )
+        return self._run(
+            model,
+            sequence_logprobs,
+            batch["input_ids"],
+            batch["attention_mask"],
+            self.temperature,
+            fused=self.cfg.use_fused_kernels,
+            chunk_size=self.cfg.logprob_chunk_size,
+        )
 
-    def _microbatch_logprobs(self, model: torch.nn.Module, batch: dict[str, torch.Tensor],
-                             mb: microbatch.MicroBatch) -> torch.Tensor:
+    def _microbatch_logprobs(
+        self, model: torch.nn.Module, batch: dict[str, torch.Tensor], mb: microbatch.MicroBatch
+    ) -> torch.Tensor:
         """[len(mb.rows), W] logprobs of one micro-batch's rows (W: its width, or its longest row packed)."""
         device = next(model.parameters()).device
         if not mb.packed:
             inputs = {key: batch[key] for key in ("input_ids", "attention_mask")}
             return self._logprobs(model, microbatch.rows_of(inputs, mb.rows, mb.width, device))
         packed = microbatch.pack_rows(batch["input_ids"], mb, device)
-        flat = self._run(model, packed_logprobs, packed.input_ids, packed.position_ids, packed.cu_seqlens,
-                         packed.max_seqlen, self.temperature, fused=self.cfg.use_fused_kernels,
-                         chunk_size=self.cfg.logprob_chunk_size)
+        flat = self._run(
+            model,
+            packed_logprobs,
+            packed.input_ids,
+            packed.position_ids,
+            packed.cu_seqlens,
+            packed.max_seqlen,
+            self.temperature,
+            fused=self.cfg.use_fused_kernels,
+            chunk_size=self.cfg.logprob_chunk_size,
+        )
         return microbatch.unpack_rows(flat, packed)
 
     def _planner(self, purpose: microbatch.Purpose) -> microbatch.Planner:
@@ -188,8 +240,12 @@ class PolicyWorker(WorkerCore):
         return [lp[i, plen : len(seq)].tolist() for i, (seq, plen) in enumerate(zip(sequences, prompt_lens))]
 
     # ---------------------------------------------------------------------------- training
-    def train(self, batch: dict[str, torch.Tensor], global_valid_tokens: list[float] | None = None,
-              global_valid_seqs: list[float] | None = None) -> dict[str, float]:
+    def train(
+        self,
+        batch: dict[str, torch.Tensor],
+        global_valid_tokens: list[float] | None = None,
+        global_valid_seqs: list[float] | None = None,
+    ) -> dict[str, float]:
         """Optimizer steps over `batch` (train_global_batch_size samples each, in micro-batches).
 
         `batch` must hold prev_logprobs (and ref_logprobs when beta > 0). The global counts are
@@ -215,8 +271,9 @@ class PolicyWorker(WorkerCore):
                 self._ahead = None
 
     def _reference_left_to_us(self, batch: dict[str, torch.Tensor]) -> bool:
-        return "ref_logprobs" not in batch and (self.reference is not None or (
-            self.peft is not None and self.loss_cfg.reference_policy_kl_penalty > 0))
+        return "ref_logprobs" not in batch and (
+            self.reference is not None or (self.peft is not None and self.loss_cfg.reference_policy_kl_penalty > 0)
+        )
 
     def _reference_ahead(self, batch: dict[str, torch.Tensor], per_step: int):
         """The reference forward in a second thread beside training (policy/reference_ahead.py),
@@ -227,8 +284,11 @@ class PolicyWorker(WorkerCore):
         plan = self._plan(batch, "logprob")[2]
         if reference is None or not reference_ahead.usable(self.world_size, True, plan, self._plan(batch, "train")[2]):
             return None
-        return reference_ahead.start(plan, lambda mb: self._microbatch_logprobs(reference, batch, mb),
-                                     (batch_size(batch), batch["input_ids"].shape[1]))
+        return reference_ahead.start(
+            plan,
+            lambda mb: self._microbatch_logprobs(reference, batch, mb),
+            (batch_size(batch), batch["input_ids"].shape[1]),
+        )
 
     def reuses_prev(self, batch: dict[str, torch.Tensor], per_step: int) -> bool:
         """Whether the training forward's logprobs (detached) are bitwise the `logprobs(batch)` a
@@ -247,8 +307,9 @@ class PolicyWorker(WorkerCore):
     def _train_forward(self, batch: dict[str, torch.Tensor], mb: microbatch.MicroBatch) -> torch.Tensor:
         return self._microbatch_logprobs(self.model, batch, mb)
 
-    def _microbatch_loss(self, batch: dict[str, torch.Tensor], plan: microbatch.MicroBatch, global_tokens: float,
-                         global_seqs: float) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
+    def _microbatch_loss(
+        self, batch: dict[str, torch.Tensor], plan: microbatch.MicroBatch, global_tokens: float, global_seqs: float
+    ) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
         """clipped_pg_loss of one micro-batch (plus the MoE auxiliary loss); metrics in
         `WorkerCore._optimizer_step`'s merge (min / max for _MIN_METRICS / _MAX_METRICS)."""
         with self._router.capture() if self._router is not None else contextlib.nullcontext():
@@ -256,15 +317,24 @@ class PolicyWorker(WorkerCore):
         mb = microbatch.rows_of(batch, plan.rows, curr.shape[1], curr.device)
         if self._ahead is not None:  # this micro-batch's reference logprobs, computed beside its forward
             self._ahead.wait_for(plan)
-            mb["ref_logprobs"] = microbatch.rows_of({"ref": self._ahead.out}, plan.rows, curr.shape[1],
-                                                    curr.device)["ref"]
+            mb["ref_logprobs"] = microbatch.rows_of({"ref": self._ahead.out}, plan.rows, curr.shape[1], curr.device)[
+                "ref"
+            ]
         metrics: dict[str, float | torch.Tensor] = {}
         if self._reusing_prev:  # on-policy, one optimizer step: prev is this forward's logprobs
             mb["prev_logprobs"] = curr.detach()  # [rows, W] fp32, as logprobs() stores them
             metrics["max_seq_mult_prob_error"] = self._seq_prob_error(batch, plan, mb["prev_logprobs"])
         loss, m = grpo_kernels.clipped_pg_loss(
-            curr, mb["prev_logprobs"], mb["gen_logprobs"], mb.get("ref_logprobs"), mb["advantages"],
-            mb["token_mask"], mb["sample_mask"], self.loss_cfg, global_tokens, global_seqs,
+            curr,
+            mb["prev_logprobs"],
+            mb["gen_logprobs"],
+            mb.get("ref_logprobs"),
+            mb["advantages"],
+            mb["token_mask"],
+            mb["sample_mask"],
+            self.loss_cfg,
+            global_tokens,
+            global_seqs,
         )
         if self._router is not None:
             aux = self._router.aux_loss(self._router_mask(batch, plan, mb, curr.device))
@@ -282,13 +352,19 @@ class PolicyWorker(WorkerCore):
         rows = torch.tensor(mb.rows, dtype=torch.long)
         full = torch.zeros(len(mb.rows), batch["input_ids"].shape[1])
         full[:, : prev.shape[1]] = prev.float().cpu()
-        err = seq_mult_prob_error({"prev_logprobs": full, "gen_logprobs": batch["gen_logprobs"].index_select(0, rows),
-                                   "token_mask": batch["token_mask"].index_select(0, rows)})
+        err = seq_mult_prob_error(
+            {
+                "prev_logprobs": full,
+                "gen_logprobs": batch["gen_logprobs"].index_select(0, rows),
+                "token_mask": batch["token_mask"].index_select(0, rows),
+            }
+        )
         return float(err.max())
 
     @staticmethod
-    def _router_mask(batch: dict[str, torch.Tensor], mb: microbatch.MicroBatch, rows: dict[str, torch.Tensor],
-                     device: torch.device) -> torch.Tensor:
+    def _router_mask(
+        batch: dict[str, torch.Tensor], mb: microbatch.MicroBatch, rows: dict[str, torch.Tensor], device: torch.device
+    ) -> torch.Tensor:
         """The attention mask of the forward the router logits came from: the rows' mask, or for a
         packed stream [1, T] with the padding tail left out."""
         if not mb.packed:
@@ -331,8 +407,9 @@ class PolicyWorker(WorkerCore):
         if self.peft is not None:
             return self._save_lora(Path(folder), keep)
         masters = fsdp.full_model_state(self.model) if self._sharded else self.master.state()
-        optimizer_state = (fsdp.full_optimizer_state(self.optimizer, keep) if self._sharded
-                           else self.optimizer.state_dict())
+        optimizer_state = (
+            fsdp.full_optimizer_state(self.optimizer, keep) if self._sharded else self.optimizer.state_dict()
+        )
         if not keep:
             return
         folder = Path(folder)
@@ -352,8 +429,9 @@ class PolicyWorker(WorkerCore):
             masters = {k: v for k, v in fsdp.full_model_state(self.model).items() if k in set(self.master.names)}
         else:
             masters = self.master.state()
-        optimizer_state = (fsdp.full_optimizer_state(self.optimizer, keep) if self._sharded
-                           else self.optimizer.state_dict())
+        optimizer_state = (
+            fsdp.full_optimizer_state(self.optimizer, keep) if self._sharded else self.optimizer.state_dict()
+        )
         merged = dict(self._refit_tensors())  # collective under FSDP2: every rank iterates
         if not keep:
             return
@@ -379,14 +457,16 @@ class PolicyWorker(WorkerCore):
             unexpected = sorted(ckpt["model"].keys() - self.model.state_dict().keys())
             error = self.master.load(ckpt["model"]) if not unexpected else f"unexpected {unexpected}"
             if not error:  # persistent buffers, if the model has any (the parameters are the masters' cast)
-                self.model.load_state_dict({k: v for k, v in ckpt["model"].items()
-                                            if k not in self.master.names}, strict=False)
+                self.model.load_state_dict(
+                    {k: v for k, v in ckpt["model"].items() if k not in self.master.names}, strict=False
+                )
             if error:
                 raise RuntimeError(f"checkpoint {folder} does not match the model: {error}")
             self._restore_states(ckpt)
         else:  # the optimizer's shards are loaded by the scatter
-            self._restore_states(self._scatter_checkpoint(read_checkpoint(folder) if self.rank == 0 else None, folder),
-                                 optimizer=False)
+            self._restore_states(
+                self._scatter_checkpoint(read_checkpoint(folder) if self.rank == 0 else None, folder), optimizer=False
+            )
 
     def _scatter_checkpoint(self, ckpt: dict | None, folder: Path) -> dict:
         """Rank 0's checkpoint (None on the other ranks) into every rank's shards. Rank 0 checks
@@ -395,14 +475,19 @@ class PolicyWorker(WorkerCore):
         header = None
         if ckpt is not None:
             skeleton = fsdp.optimizer_skeleton(self.optimizer, ckpt["optimizer"])
-            error = fsdp.model_state_mismatch(self.model, ckpt["model"], self.peft is not None) or (skeleton if isinstance(skeleton, str) else None)
+            error = fsdp.model_state_mismatch(self.model, ckpt["model"], self.peft is not None) or (
+                skeleton if isinstance(skeleton, str) else None
+            )
             header = {"error": error, "optimizer": skeleton, "scheduler": ckpt["scheduler"], "rng": ckpt["rng"]}
         header = fsdp.broadcast_object(header)
         if header["error"]:
             raise RuntimeError(f"checkpoint {folder} does not match the model: {header['error']}")
         fsdp.scatter_model_state(self.model, ckpt["model"] if ckpt is not None else {}, strict=self.peft is None)
         self.optimizer.load_state_dict(
-            fsdp.scatter_optimizer_state(self.optimizer, header["optimizer"], ckpt["optimizer"] if ckpt is not None else None))
+            fsdp.scatter_optimizer_state(
+                self.optimizer, header["optimizer"], ckpt["optimizer"] if ckpt is not None else None
+            )
+        )
         return header
 
     # ------------------------------------------- colocated memory choreography (colocation.py)
@@ -419,8 +504,15 @@ class PolicyWorker(WorkerCore):
     def reload(self) -> None:
         """What `offload` moved, back on this rank's device."""
         if self._home.type != "cpu":
-            move_parts(self._offloaded, self._home, self.model, self.master.parameters(), self.optimizer, self.reference,
-                       offloading=False)
+            move_parts(
+                self._offloaded,
+                self._home,
+                self.model,
+                self.master.parameters(),
+                self.optimizer,
+                self.reference,
+                offloading=False,
+            )
         self._offloaded = ()
 
     # ------------------------------------------------- data parallelism and weight transports
@@ -486,8 +578,10 @@ class PolicyWorker(WorkerCore):
         from grpo_train.policy.context_parallel import register_cpu_ring_attention, use_cp_attention
 
         if shards:  # refused by the config for a set `enabled`; null shards on GPUs
-            raise ValueError("policy.dtensor_cfg.context_parallel_size > 1 with FSDP2 is not supported (untested); "
-                             "set policy.dtensor_cfg.enabled: false")
+            raise ValueError(
+                "policy.dtensor_cfg.context_parallel_size > 1 with FSDP2 is not supported (untested); "
+                "set policy.dtensor_cfg.enabled: false"
+            )
         mesh = init_device_mesh(device_type, (self.dp_size, self.cp_size), mesh_dim_names=("dp", "cp"))
         self._dp_group, self._cp_mesh = mesh["dp"].get_group(), mesh["cp"]
         register_cpu_ring_attention()

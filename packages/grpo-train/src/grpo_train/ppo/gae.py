@@ -27,8 +27,9 @@ def last_token_rewards(scores: torch.Tensor, token_mask: torch.Tensor) -> torch.
     return rewards
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, token_mask: torch.Tensor, gamma: float,
-        lam: float | torch.Tensor) -> torch.Tensor:
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, token_mask: torch.Tensor, gamma: float, lam: float | torch.Tensor
+) -> torch.Tensor:
     """A_t = delta_t + gamma * lam * A_next, delta_t = r_t + gamma * V_next - V_t, on valid tokens.
 
     rewards, values, token_mask: [B, S]; lam: a float or one lambda per row [B]. Returns [B, S],
@@ -51,8 +52,9 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, token_mask: torch.Tensor, g
     return advantages.to(rewards.dtype)
 
 
-def returns_from_gae(rewards: torch.Tensor, values: torch.Tensor, token_mask: torch.Tensor, gamma: float,
-                     lam: float | torch.Tensor) -> torch.Tensor:
+def returns_from_gae(
+    rewards: torch.Tensor, values: torch.Tensor, token_mask: torch.Tensor, gamma: float, lam: float | torch.Tensor
+) -> torch.Tensor:
     """Value targets R_t = A_t(lam) + V_t on valid tokens, 0 elsewhere: [B, S]."""
     return (gae(rewards, values, token_mask, gamma, lam) + values) * token_mask
 

@@ -44,7 +44,8 @@ def train_ppo(cfg: GRPOMasterConfig, parts: PPOComponents, logger, checkpoints, 
             metrics |= train_epochs(cfg, parts, batch, train_policy)
         if train_policy:
             metrics |= run.push_and_check(result.rollouts)
-        if run.finish(step, metrics, result, sampling_metrics, {"policy_trained": float(train_policy)},
-                      parts.extra_workers):
+        if run.finish(
+            step, metrics, result, sampling_metrics, {"policy_trained": float(train_policy)}, parts.extra_workers
+        ):
             break
     return state

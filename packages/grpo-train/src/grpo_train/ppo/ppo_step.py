@@ -48,8 +48,16 @@ def build_ppo_components(cfg: GRPOMasterConfig, model_path: str) -> PPOComponent
     global_batch = cfg.value.train_global_batch_size or cfg.policy.train_global_batch_size
     value_workers = cfg.value.num_workers if cfg.value is not None else 1  # a PPO config has a value section
     # Started first so that its start-up overlaps the policy's and the generator's.
-    value = ValueGroup(value_path, cfg.value, cfg.value_loss_fn, cfg.cluster, global_batch, cfg.grpo.seed,
-                       num_threads=threads_per_actor(ranks_per_node(cfg.cluster, value_workers)), start=False)
+    value = ValueGroup(
+        value_path,
+        cfg.value,
+        cfg.value_loss_fn,
+        cfg.cluster,
+        global_batch,
+        cfg.grpo.seed,
+        num_threads=threads_per_actor(ranks_per_node(cfg.cluster, value_workers)),
+        start=False,
+    )
     try:
         parts = build_components(cfg, model_path)
     except BaseException:
@@ -65,8 +73,9 @@ def build_ppo_components(cfg: GRPOMasterConfig, model_path: str) -> PPOComponent
     return PPOComponents(**{f.name: getattr(parts, f.name) for f in fields(Components)}, value=value)
 
 
-def prepare_ppo_batch(grpo: GRPOConfig, policy: PolicyConfig, rollouts: list[Rollout],
-                      pad_id: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+def prepare_ppo_batch(
+    grpo: GRPOConfig, policy: PolicyConfig, rollouts: list[Rollout], pad_id: int
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """GRPO's `prepare_batch` (rewards scaled and shaped, overlong filtering, [B, S] tensors with
     `scores` [B]) plus the count of masked samples; advantages come later (they need values)."""
     batch, metrics = prepare_batch(grpo, policy, rollouts, pad_id)
@@ -84,18 +93,31 @@ def token_rewards(loss: LossConfig, batch: dict[str, torch.Tensor]) -> torch.Ten
     """
     rewards = last_token_rewards(batch["scores"], batch["token_mask"])
     if loss.use_kl_in_reward:
-        rewards = rewards - kl_in_reward(batch["prev_logprobs"], batch["ref_logprobs"], batch["token_mask"],
-                                         loss.reference_policy_kl_penalty, loss.reference_policy_kl_type,
-                                         loss.kl_input_clamp_value, loss.kl_output_clamp_value)
+        rewards = rewards - kl_in_reward(
+            batch["prev_logprobs"],
+            batch["ref_logprobs"],
+            batch["token_mask"],
+            loss.reference_policy_kl_penalty,
+            loss.reference_policy_kl_type,
+            loss.kl_input_clamp_value,
+            loss.kl_output_clamp_value,
+        )
     return rewards
 
 
-def add_values_and_advantages(ppo: PPOConfig, loss: LossConfig, value, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+def add_values_and_advantages(
+    ppo: PPOConfig, loss: LossConfig, value, batch: dict[str, torch.Tensor]
+) -> dict[str, float]:
     """Rollout-time values, token-level advantages and value targets into `batch`; returns their metrics."""
     batch["values"] = value.values(batch)  # [B, S] old values, fixed for the ppo_epochs
     mask = batch["token_mask"]
-    x = EstimatorInput(rewards=token_rewards(loss, batch), values=batch["values"], token_mask=mask,
-                       sample_mask=batch["sample_mask"], response_lengths=mask.sum(dim=1))
+    x = EstimatorInput(
+        rewards=token_rewards(loss, batch),
+        values=batch["values"],
+        token_mask=mask,
+        sample_mask=batch["sample_mask"],
+        response_lengths=mask.sum(dim=1),
+    )
     batch["advantages"], batch["returns"] = compute_ppo_advantages(ppo.adv_estimator, x)
     n = mask.sum().clamp(min=1)
     residual = (batch["returns"] - batch["values"]) * mask
@@ -106,7 +128,8 @@ def add_values_and_advantages(ppo: PPOConfig, loss: LossConfig, value, batch: di
         "values_mean": float((batch["values"] * mask).sum() / n),
         "value_explained_variance": float(1 - residual.pow(2).sum() / n / (returns_var + EXPLAINED_VARIANCE_EPS)),
         "reward_kl": float(((batch["prev_logprobs"] - batch["ref_logprobs"]) * mask).sum() / n)
-        if "ref_logprobs" in batch else 0.0,
+        if "ref_logprobs" in batch
+        else 0.0,
     }
 
 

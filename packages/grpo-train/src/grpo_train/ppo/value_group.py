@@ -39,15 +39,25 @@ def place_value_bundles(cluster: ClusterConfig, num_workers: int):
     try:
         return place_bundles(bundles, strategy)
     except StartupError as exc:
-        raise StartupError(f"value.num_workers={num_workers}: the value ranks do not fit beside the policy and "
-                           f"generation ({exc})") from None
+        raise StartupError(
+            f"value.num_workers={num_workers}: the value ranks do not fit beside the policy and generation ({exc})"
+        ) from None
 
 
 class ValueGroup(RankGroup):
     """N data-parallel `ValueWorker` actors behind the worker's method names."""
 
-    def __init__(self, model_path: str, cfg: ValueConfig, loss_cfg: ValueLossConfig, cluster: ClusterConfig,
-                 global_batch_size: int, seed: int, num_threads: int = 1, start: bool = True) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        cfg: ValueConfig,
+        loss_cfg: ValueLossConfig,
+        cluster: ClusterConfig,
+        global_batch_size: int,
+        seed: int,
+        num_threads: int = 1,
+        start: bool = True,
+    ) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         # the worker module (torch, transformers) loads when the group starts its actors
@@ -59,10 +69,23 @@ class ValueGroup(RankGroup):
         on_gpus = cluster.gpus_per_node > 0
         actor = actor_class(ValueWorker)
         self.workers = [
-            actor.options(num_cpus=1, num_gpus=1 if on_gpus else 0, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                self.placement_group, placement_group_bundle_index=rank)).remote(
-                model_path, cfg, loss_cfg, global_batch_size, seed, rank=rank, world_size=self.world_size,
-                num_threads=num_threads, device="cuda" if on_gpus else "cpu")
+            actor.options(
+                num_cpus=1,
+                num_gpus=1 if on_gpus else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.placement_group, placement_group_bundle_index=rank
+                ),
+            ).remote(
+                model_path,
+                cfg,
+                loss_cfg,
+                global_batch_size,
+                seed,
+                rank=rank,
+                world_size=self.world_size,
+                num_threads=num_threads,
+                device="cuda" if on_gpus else "cpu",
+            )
             for rank in range(self.world_size)
         ]
         self._started = False

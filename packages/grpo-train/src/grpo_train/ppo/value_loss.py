@@ -13,9 +13,16 @@ import torch
 from grpo_train.config.schema import ValueLossConfig
 
 
-def value_loss_fn(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, token_mask: torch.Tensor,
-                  sample_mask: torch.Tensor, cfg: ValueLossConfig, global_tokens: float,
-                  global_seqs: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def value_loss_fn(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    token_mask: torch.Tensor,
+    sample_mask: torch.Tensor,
+    cfg: ValueLossConfig,
+    global_tokens: float,
+    global_seqs: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """values (grad), old_values, returns, token_mask: [B, S]; sample_mask: [B]. Returns (loss, metrics)."""
     unclipped = (values - returns) ** 2  # [B, S]
     if cfg.value_clip is not None:

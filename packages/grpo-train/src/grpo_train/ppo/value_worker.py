@@ -42,15 +42,17 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.head.bias)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                               use_cache=False).last_hidden_state[:, :-1]  # [B, S-1, H]
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state[
+            :, :-1
+        ]  # [B, S-1, H]
         values = self.head(hidden).squeeze(-1).float()  # [B, S-1]
         return F.pad(values, (1, 0)) * attention_mask  # [B, S]
 
     def forward_packed(self, packed: microbatch.PackedRows) -> torch.Tensor:
         """The same values for a packed stream's rows: [n, longest row], 0 past each row's end."""
-        hidden = packed_hidden_states(self.backbone, packed.input_ids, packed.position_ids, packed.cu_seqlens,
-                                      packed.max_seqlen)  # [T, H]
+        hidden = packed_hidden_states(
+            self.backbone, packed.input_ids, packed.position_ids, packed.cu_seqlens, packed.max_seqlen
+        )  # [T, H]
         rows = microbatch.unpack_rows(self.head(hidden).squeeze(-1).float(), packed)  # [n, L]: head(h_t) at t
         L = rows.shape[1]
         lengths = packed.cu_seqlens[: packed.num_rows + 1].diff().to(rows.device)  # [n]
@@ -64,11 +66,13 @@ def value_planner(cfg: ValueConfig, purpose: microbatch.Purpose) -> microbatch.P
     field = "train_mb_tokens" if purpose == "train" else "logprob_mb_tokens"
     packing, dynamic = cfg.sequence_packing, cfg.dynamic_batching
     if packing.enabled:
-        return microbatch.SequencePacking(getattr(packing, field), packing.sequence_length_round,
-                                          f"value.sequence_packing.{field}", packing.algorithm)
+        return microbatch.SequencePacking(
+            getattr(packing, field), packing.sequence_length_round, f"value.sequence_packing.{field}", packing.algorithm
+        )
     if dynamic.enabled:
-        return microbatch.DynamicBatching(getattr(dynamic, field), dynamic.sequence_length_round,
-                                          f"value.dynamic_batching.{field}")
+        return microbatch.DynamicBatching(
+            getattr(dynamic, field), dynamic.sequence_length_round, f"value.dynamic_batching.{field}"
+        )
     return microbatch.PaddedRows(cfg.train_micro_batch_size if purpose == "train" else cfg.inference_batch_size)
 
 
@@ -81,9 +85,21 @@ class ValueWorker(WorkerCore):
     lockstep_microbatches = False
     cfg: ValueConfig
 
-    def __init__(self, model_path: str, cfg: ValueConfig, loss_cfg: ValueLossConfig, global_batch_size: int, seed: int,
-                 rank: int = 0, world_size: int = 1, num_threads: int | None = None, device: str = "cpu"):
-        super().__init__(cfg, seed, rank, world_size, num_threads)  # the same seed on every rank: replicas start identical
+    def __init__(
+        self,
+        model_path: str,
+        cfg: ValueConfig,
+        loss_cfg: ValueLossConfig,
+        global_batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        num_threads: int | None = None,
+        device: str = "cpu",
+    ):
+        super().__init__(
+            cfg, seed, rank, world_size, num_threads
+        )  # the same seed on every rank: replicas start identical
         self.loss_cfg = loss_cfg
         self.global_batch_size = global_batch_size  # samples per optimizer step, over all ranks
         # The device comes from the caller (the cluster config), not from what is visible: Ray
@@ -107,7 +123,9 @@ class ValueWorker(WorkerCore):
         """[len(mb.rows), W] values of one micro-batch's rows (W: its width, or its longest row packed)."""
         if mb.packed:
             return self.model.forward_packed(microbatch.pack_rows(batch["input_ids"], mb, self.device))
-        inputs = microbatch.rows_of({k: batch[k] for k in ("input_ids", "attention_mask")}, mb.rows, mb.width, self.device)
+        inputs = microbatch.rows_of(
+            {k: batch[k] for k in ("input_ids", "attention_mask")}, mb.rows, mb.width, self.device
+        )
         return self.model(inputs["input_ids"], inputs["attention_mask"])
 
     _train_forward = _microbatch_values
@@ -122,8 +140,12 @@ class ValueWorker(WorkerCore):
         finally:
             self.model.train()
 
-    def train(self, batch: dict[str, torch.Tensor], global_valid_tokens: list[float] | None = None,
-              global_valid_seqs: list[float] | None = None) -> dict[str, float]:
+    def train(
+        self,
+        batch: dict[str, torch.Tensor],
+        global_valid_tokens: list[float] | None = None,
+        global_valid_seqs: list[float] | None = None,
+    ) -> dict[str, float]:
         """Optimizer steps over `batch`, which holds `values` (at rollout time) and `returns`.
 
         The global counts are per optimizer step over all data-parallel ranks (this rank holds
@@ -132,12 +154,21 @@ class ValueWorker(WorkerCore):
         per_step = max(1, self.global_batch_size // self.world_size)
         return run_optimizer_steps(batch, per_step, global_valid_tokens, global_valid_seqs, self._optimizer_step)
 
-    def _microbatch_loss(self, batch: dict[str, torch.Tensor], mb: microbatch.MicroBatch, global_tokens: float,
-                         global_seqs: float) -> tuple[torch.Tensor, dict[str, Any]]:
+    def _microbatch_loss(
+        self, batch: dict[str, torch.Tensor], mb: microbatch.MicroBatch, global_tokens: float, global_seqs: float
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
         values = self._microbatch_values(batch, mb)  # [rows, W]
         x = microbatch.rows_of(batch, mb.rows, values.shape[1], self.device)
-        loss, m = value_loss_fn(values, x["values"], x["returns"], x["token_mask"], x["sample_mask"],
-                                self.loss_cfg, global_tokens, global_seqs)
+        loss, m = value_loss_fn(
+            values,
+            x["values"],
+            x["returns"],
+            x["token_mask"],
+            x["sample_mask"],
+            self.loss_cfg,
+            global_tokens,
+            global_seqs,
+        )
         return loss, {"value_loss": loss.detach(), **m}
 
     # ------------------------------------------------------------------- weights and state
@@ -159,7 +190,9 @@ class ValueWorker(WorkerCore):
         from safetensors.torch import save_file
 
         (folder / "model").mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in self.model.head.state_dict().items()}, str(folder / "model" / HEAD_FILE))
+        save_file(
+            {k: v.contiguous() for k, v in self.model.head.state_dict().items()}, str(folder / "model" / HEAD_FILE)
+        )
 
     def _save_lora(self, folder: Path) -> None:
         """value.lora_cfg: the trained parameters only (the base backbone is the model path's):
@@ -178,8 +211,10 @@ class ValueWorker(WorkerCore):
         folder = Path(folder)
         if self.peft is not None:
             if not (folder / ADAPTER_DIR).is_dir():
-                raise RuntimeError(f"value checkpoint {folder} has no {ADAPTER_DIR}/ but {LORA_KEY}.enabled is true: "
-                                   "it was saved without LoRA")
+                raise RuntimeError(
+                    f"value checkpoint {folder} has no {ADAPTER_DIR}/ but {LORA_KEY}.enabled is true: "
+                    "it was saved without LoRA"
+                )
             error = self.master.load(load_file(folder / MASTERS_FILE))
             if error:
                 raise RuntimeError(f"value checkpoint {folder} does not match the model: {error}")
@@ -196,8 +231,10 @@ class ValueWorker(WorkerCore):
         if (folder / MASTERS_FILE).is_file():
             error = self.master.load(load_file(folder / MASTERS_FILE))
         else:  # an fp32 checkpoint: its weights are the masters
-            error = self.master.load({f"backbone.{k}": v for k, v in backbone.items()}
-                                     | {f"head.{k}": v for k, v in self.model.head.state_dict().items()})
+            error = self.master.load(
+                {f"backbone.{k}": v for k, v in backbone.items()}
+                | {f"head.{k}": v for k, v in self.model.head.state_dict().items()}
+            )
         if error:
             raise RuntimeError(f"value checkpoint {folder} does not match the model: {error}")
         self._restore_states(read_states(folder))

@@ -51,7 +51,9 @@ def choose_transport(name: str, colocated: bool, on_gpus: bool, lora_refit: str 
 
 def make_transport(name: str, refit_buffer_size_gb: float) -> Any:
     if name not in TRANSPORTS:
-        raise ValueError(f"policy.generation.weight_transport: unknown transport {name!r}; expected one of {sorted(TRANSPORTS)}")
+        raise ValueError(
+            f"policy.generation.weight_transport: unknown transport {name!r}; expected one of {sorted(TRANSPORTS)}"
+        )
     return TRANSPORTS[name](max(1, int(refit_buffer_size_gb * GIB)))
 
 

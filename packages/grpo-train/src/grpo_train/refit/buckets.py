@@ -73,8 +73,9 @@ def _broadcast(group, tensor: torch.Tensor) -> None:
     group.broadcast([tensor], opts).wait()
 
 
-def send_buckets(group, tensors: Iterator[torch.Tensor], metas: list[TensorMeta], bucket_bytes: int,
-                 device: torch.device) -> int:
+def send_buckets(
+    group, tensors: Iterator[torch.Tensor], metas: list[TensorMeta], bucket_bytes: int, device: torch.device
+) -> int:
     """Rank 0: broadcast `tensors` (in `metas` order) bucket by bucket; returns the bucket count.
     Only one flattened bucket exists at a time."""
     import torch
@@ -87,8 +88,9 @@ def send_buckets(group, tensors: Iterator[torch.Tensor], metas: list[TensorMeta]
     return len(buckets)
 
 
-def receive_buckets(group, metas: list[TensorMeta], bucket_bytes: int,
-                    device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+def receive_buckets(
+    group, metas: list[TensorMeta], bucket_bytes: int, device: torch.device
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Other ranks: yield (name, tensor) as each bucket arrives; lazy, so a consumer that loads
     tensors as they come holds one bucket at a time."""
     import torch

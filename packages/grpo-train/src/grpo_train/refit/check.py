@@ -35,9 +35,14 @@ class RefitStats:
     seq_logratio_rms: float = 0.0
 
     def metrics(self) -> dict[str, float]:
-        return {"refit/max_abs_logprob_diff": self.max_abs_diff, "refit/mean_abs_logprob_diff": self.mean_abs_diff,
-                "refit/seq_logratio_rms": self.seq_logratio_rms,
-                "refit/token_mult_prob_error": self.token_mult_prob_error, "refit/gen_kl_error": self.gen_kl_error}
+        return {
+            "refit/max_abs_logprob_diff": self.max_abs_diff,
+            "refit/mean_abs_logprob_diff": self.mean_abs_diff,
+            "refit/seq_logratio_rms": self.seq_logratio_rms,
+            "refit/token_mult_prob_error": self.token_mult_prob_error,
+            "refit/gen_kl_error": self.gen_kl_error,
+        }
+
 
 @dataclass(frozen=True)
 class RefitLimits:
@@ -86,8 +91,10 @@ class RefitMismatchError(RuntimeError):
         location = ""
         if stats.worst is not None:
             i, j, a, b = stats.worst
-            location = (f"; worst token: sequence {i}, token {j} (trainer {a:.6f}, generator {b:.6f}, "
-                        f"|diff| {stats.max_abs_diff:.3g})")
+            location = (
+                f"; worst token: sequence {i}, token {j} (trainer {a:.6f}, generator {b:.6f}, "
+                f"|diff| {stats.max_abs_diff:.3g})"
+            )
         super().__init__(
             f"refit check failed: {statistic} of |trainer - generator| logprobs over {stats.tokens} probe "
             f"tokens is {value:.3g} > threshold {threshold:.3g} (grpo.refit_check.{_KEYS[statistic]})"
@@ -96,8 +103,11 @@ class RefitMismatchError(RuntimeError):
         )
 
 
-_KEYS = {"max_abs_diff": "max_abs_logprob_diff", "mean_abs_diff": "max_mean_abs_logprob_diff",
-         "seq_logratio_rms": "max_seq_logratio_rms"}
+_KEYS = {
+    "max_abs_diff": "max_abs_logprob_diff",
+    "mean_abs_diff": "max_mean_abs_logprob_diff",
+    "seq_logratio_rms": "max_seq_logratio_rms",
+}
 
 
 def refit_stats(trainer_logprobs: list[list[float]], generator_logprobs: list[list[float]]) -> RefitStats:
@@ -105,16 +115,14 @@ def refit_stats(trainer_logprobs: list[list[float]], generator_logprobs: list[li
     logprobs of the same tokens. A NaN anywhere counts as an infinite difference."""
     if len(trainer_logprobs) != len(generator_logprobs):
         raise ValueError(
-            f"refit check: {len(trainer_logprobs)} trainer sequences vs "
-            f"{len(generator_logprobs)} generator sequences"
+            f"refit check: {len(trainer_logprobs)} trainer sequences vs {len(generator_logprobs)} generator sequences"
         )
     worst, where, n, total, mult, kl, squares = 0.0, None, 0, 0.0, 0.0, 0.0, 0.0
     for i, (a_seq, b_seq) in enumerate(zip(trainer_logprobs, generator_logprobs)):
         seq_sum = 0.0
         if len(a_seq) != len(b_seq):
             raise ValueError(
-                f"refit check: sequence {i} has {len(a_seq)} trainer logprobs but "
-                f"{len(b_seq)} generator logprobs"
+                f"refit check: sequence {i} has {len(a_seq)} trainer logprobs but {len(b_seq)} generator logprobs"
             )
         for j, (a, b) in enumerate(zip(a_seq, b_seq)):
             d = float(a) - float(b)
@@ -127,11 +135,20 @@ def refit_stats(trainer_logprobs: list[list[float]], generator_logprobs: list[li
                 worst, where = diff, (i, j, float(a), float(b))
         squares += seq_sum * seq_sum
     count = max(n, 1)
-    return RefitStats(worst, total / count, mult / count if n else 1.0, kl / count, n, where,
-                      math.sqrt(squares / count) if math.isfinite(squares) else math.inf)
+    return RefitStats(
+        worst,
+        total / count,
+        mult / count if n else 1.0,
+        kl / count,
+        n,
+        where,
+        math.sqrt(squares / count) if math.isfinite(squares) else math.inf,
+    )
 
-def gate_refit(trainer_logprobs: list[list[float]], generator_logprobs: list[list[float]],
-               limits: RefitLimits) -> RefitStats:
+
+def gate_refit(
+    trainer_logprobs: list[list[float]], generator_logprobs: list[list[float]], limits: RefitLimits
+) -> RefitStats:
     """`refit_stats`, raising `RefitMismatchError` when a gated statistic exceeds its limit."""
     stats = refit_stats(trainer_logprobs, generator_logprobs)
     for statistic in ("max_abs_diff", "mean_abs_diff", "seq_logratio_rms"):
@@ -140,13 +157,21 @@ def gate_refit(trainer_logprobs: list[list[float]], generator_logprobs: list[lis
             raise RefitMismatchError(stats, statistic, threshold)
     return stats
 
-def check_refit(
-    trainer_logprobs: list[list[float]], generator_logprobs: list[list[float]], threshold: float
-) -> float:
+
+def check_refit(trainer_logprobs: list[list[float]], generator_logprobs: list[list[float]], threshold: float) -> float:
     """Max absolute logprob difference over a probe batch; raises `RefitMismatchError` above
     `threshold` (the max-only gate of `gate_refit`)."""
     return gate_refit(trainer_logprobs, generator_logprobs, RefitLimits(threshold, None)).max_abs_diff
 
 
-__all__ = ["DEFAULT_LIMITS", "DEFAULT_PROBE_SEQUENCES", "RefitLimits", "RefitMismatchError", "RefitStats", "check_refit",
-           "gate_precision", "gate_refit", "refit_stats"]
+__all__ = [
+    "DEFAULT_LIMITS",
+    "DEFAULT_PROBE_SEQUENCES",
+    "RefitLimits",
+    "RefitMismatchError",
+    "RefitStats",
+    "check_refit",
+    "gate_precision",
+    "gate_refit",
+    "refit_stats",
+]

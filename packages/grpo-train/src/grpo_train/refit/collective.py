@@ -43,16 +43,21 @@ class CollectiveTransport:
         calls = policy.submit_open_collective(host, port, world_size, backend)  # rank 0 and the engines join at once
         offset = 1
         for generator, size in zip(generators, sizes):
-            calls.append(generator.open_collective.remote(host, port, offset, world_size, backend,
-                                                          metas, self.bucket_bytes))
+            calls.append(
+                generator.open_collective.remote(host, port, offset, world_size, backend, metas, self.bucket_bytes)
+            )
             offset += size
         ray.get(calls)
 
     def push(self, policy, generators: list, version: int, **options) -> None:
         import ray
 
-        ray.get([*policy.submit_send_collective(self.bucket_bytes),  # sent and received at once
-                 *[g.receive_collective.remote(version, **options) for g in generators]])
+        ray.get(
+            [
+                *policy.submit_send_collective(self.bucket_bytes),  # sent and received at once
+                *[g.receive_collective.remote(version, **options) for g in generators],
+            ]
+        )
 
 
 def open_collective_sender(host: str, port: int, world_size: int, backend: str):
@@ -60,8 +65,9 @@ def open_collective_sender(host: str, port: int, world_size: int, backend: str):
     return open_group(host, port, 0, world_size, backend)
 
 
-def send_collective(group, refit_tensors: Callable[[bool], Iterator[tuple[str, torch.Tensor]]], bucket_bytes: int,
-                    device: torch.device) -> int:
+def send_collective(
+    group, refit_tensors: Callable[[bool], Iterator[tuple[str, torch.Tensor]]], bucket_bytes: int, device: torch.device
+) -> int:
     """The trainer's side: broadcast `refit_tensors(True)` in buckets over `group` (rank 0);
     `refit_tensors(False)` gives their metadata. A rank without the group (under FSDP2) still
     iterates the weights, to take part in gathering each full tensor. Returns the buckets sent."""
@@ -74,8 +80,9 @@ def send_collective(group, refit_tensors: Callable[[bool], Iterator[tuple[str, t
     return send_buckets(group, tensors, metas, bucket_bytes, device)
 
 
-def open_collective_receiver(worker, host: str, port: int, rank_offset: int, world_size: int, backend: str,
-                             metas: list, bucket_bytes: int) -> int:
+def open_collective_receiver(
+    worker, host: str, port: int, rank_offset: int, world_size: int, backend: str, metas: list, bucket_bytes: int
+) -> int:
     """The engine's side, inside a vLLM worker: join the trainer's weight group as rank
     `rank_offset` + this worker's rank and remember what every push carries (`metas`:
     `TensorMeta`s, or their plain rows when the call crossed vLLM's msgpack RPC from an
@@ -100,5 +107,10 @@ def receive_collective(worker) -> int:
     return len(worker._grpo_metas)
 
 
-__all__ = ["CollectiveTransport", "open_collective_receiver", "open_collective_sender", "receive_collective",
-           "send_collective"]
+__all__ = [
+    "CollectiveTransport",
+    "open_collective_receiver",
+    "open_collective_sender",
+    "receive_collective",
+    "send_collective",
+]

@@ -31,7 +31,9 @@ class IpcTransport:
     def connect(self, policy, generators: list) -> None:
         # Asked of the policy's rank, not the driver: a CPU-only head node drives GPU workers.
         if policy.collective_backend() != "nccl":
-            raise RuntimeError("policy.generation.weight_transport: 'ipc' needs GPUs; use 'object_store' or 'collective' on CPU")
+            raise RuntimeError(
+                "policy.generation.weight_transport: 'ipc' needs GPUs; use 'object_store' or 'collective' on CPU"
+            )
 
     def push(self, policy, generators: list, version: int, **options) -> None:
         import ray

@@ -99,9 +99,7 @@ def iter_adapter_tensors(model: torch.nn.Module, adapter: str = "default") -> It
         yield f"base_model.model.{owner}.lora_{kind}", _full(tensor.detach())
 
 
-def state_dict_for_refit(
-    model: torch.nn.Module, *, dtype: torch.dtype | None = None
-) -> dict[str, torch.Tensor]:
+def state_dict_for_refit(model: torch.nn.Module, *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The model's weights as a generator loads them (see `iter_refit_tensors`): HF parameter
     names, contiguous CPU tensors, optionally cast to `dtype`."""
     out: dict[str, torch.Tensor] = {}

@@ -34,8 +34,15 @@ class RolloutParts(Protocol):
 def rollout_batch(cfg, parts: RolloutParts, datums: list, sampling: SamplingSpec) -> RolloutResult:
     """The training rollout the config asks for: one turn, or multi-turn conversations."""
     if cfg.grpo.max_rollout_turns > 1:
-        return multi_turn_rollout(parts.generator, parts.envs, datums, sampling, parts.tokenizer,
-                                  cfg.grpo.max_rollout_turns, cfg.policy.max_total_sequence_length,
-                                  chunk_size=cfg.policy.generation_batch_size,
-                                  per_sample=cfg.grpo.per_sample_turns)
+        return multi_turn_rollout(
+            parts.generator,
+            parts.envs,
+            datums,
+            sampling,
+            parts.tokenizer,
+            cfg.grpo.max_rollout_turns,
+            cfg.policy.max_total_sequence_length,
+            chunk_size=cfg.policy.generation_batch_size,
+            per_sample=cfg.grpo.per_sample_turns,
+        )
     return rollout(parts.generator, parts.envs, datums, sampling, chunk_size=cfg.policy.generation_batch_size)

@@ -53,7 +53,7 @@ class ChatTokens:
     def of(cls, tokenizer, chat_template_kwargs: dict | None = None) -> ChatTokens:
         kwargs = dict(chat_template_kwargs or {})
         text = tokenizer.apply_chat_template(_BASE, tokenize=False, **kwargs)
-        after = text[text.rindex(_MARK) + len(_MARK):]
+        after = text[text.rindex(_MARK) + len(_MARK) :]
         specials = sorted(tokenizer.all_special_tokens + list(tokenizer.get_added_vocab()), key=len, reverse=True)
         end = next((s for s in specials if s and after.startswith(s)), None)
         end_id = tokenizer.convert_tokens_to_ids(end) if end else None
@@ -62,8 +62,16 @@ class ChatTokens:
 
     def prompt_ids(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
         """The prompt of a conversation with ``tools`` rendered by the template, ready to generate."""
-        return list(self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=True,
-                                                       add_generation_prompt=True, return_dict=False, **self.kwargs))
+        return list(
+            self.tokenizer.apply_chat_template(
+                messages,
+                tools=tools or None,
+                tokenize=True,
+                add_generation_prompt=True,
+                return_dict=False,
+                **self.kwargs,
+            )
+        )
 
     def between_turns_ids(self, generated_ids: list[int], messages: list[dict]) -> list[int]:
         """Ids to append after a turn's ``generated_ids``: the end-of-turn token when the turn
@@ -71,8 +79,10 @@ class ChatTokens:
         convo = [*_BASE, *messages]
         text = self._render(convo, None, add_generation_prompt=True)
         if not text.startswith(self._prefix):
-            raise ValueError("the chat template renders the earlier turns differently after these messages; "
-                             "cannot append them without re-tokenising")
+            raise ValueError(
+                "the chat template renders the earlier turns differently after these messages; "
+                "cannot append them without re-tokenising"
+            )
         ids = self._encode(convo, None, range(len(_BASE), len(convo)), len(self._prefix), add_generation_prompt=True)
         end = self.end_of_turn_id
         if end is None or (generated_ids and generated_ids[-1] == end):
@@ -91,8 +101,9 @@ class ChatTokens:
         return any(token in text for token in self.added)
 
     def _render(self, messages: list[dict], tools: list[dict] | None, **render: Any) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, **render,
-                                                  **self.kwargs)
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools or None, tokenize=False, **render, **self.kwargs
+        )
 
     def _encode(self, messages: list[dict], tools: list[dict] | None, env: Any, skip: int, **render: Any) -> list[int]:
         """Ids of the render of ``messages`` past its first ``skip`` characters; the contents of
@@ -104,8 +115,10 @@ class ChatTokens:
         marked = [{**m, "content": f"{_MARK}{i}C"} if f"{_MARK}{i}C" in contents else m for i, m in enumerate(messages)]
         pieces = re.split("(" + "|".join(map(re.escape, contents)) + ")", self._render(marked, tools, **render))
         if "".join(contents.get(p, p) for p in pieces) != text:
-            raise ValueError("the chat template rewrites environment message text; cannot keep the added-token "
-                             "text in it from being tokenised as markup")
+            raise ValueError(
+                "the chat template rewrites environment message text; cannot keep the added-token "
+                "text in it from being tokenised as markup"
+            )
         markup = re.compile("(" + "|".join(map(re.escape, sorted(self.added, key=len, reverse=True))) + ")")
         ids: list[int] = []
         plain, seen = "", 0
@@ -119,7 +132,7 @@ class ChatTokens:
                     ids += plain_ids(self.tokenizer, plain) + [self.added[part]]
                     plain = ""
                 else:
-                    plain += contents.get(part, part)[max(skip - start, 0):]
+                    plain += contents.get(part, part)[max(skip - start, 0) :]
         return ids + plain_ids(self.tokenizer, plain)
 
 

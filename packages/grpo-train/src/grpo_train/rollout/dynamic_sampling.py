@@ -37,5 +37,8 @@ def fill_with_signal(cfg, parts, sampling, state, first: RolloutResult) -> tuple
         for r in group:
             r.prompt_index = p
             rollouts.append(r)
-    metrics = {"dynamic_sampling/rounds": float(rounds), "dynamic_sampling/groups_short": float(max(0, target - len(kept)))}
+    metrics = {
+        "dynamic_sampling/rounds": float(rounds),
+        "dynamic_sampling/groups_short": float(max(0, target - len(kept))),
+    }
     return RolloutResult(rollouts, env_metrics, generate_s, reward_s), metrics

@@ -100,8 +100,9 @@ def observation_ids(tokenizer, message: dict) -> list[int]:
 class _TurnRunner:
     """The pieces of one turn, shared by the lockstep and the per-sample schedules."""
 
-    def __init__(self, generator, envs: dict, sampling, tokenizer, max_turns: int, max_total_len: int,
-                 chunk_size: int | None) -> None:
+    def __init__(
+        self, generator, envs: dict, sampling, tokenizer, max_turns: int, max_total_len: int, chunk_size: int | None
+    ) -> None:
         self.generator, self.envs, self.sampling, self.tokenizer = generator, envs, sampling, tokenizer
         self.max_turns, self.max_total_len, self.chunk_size = max_turns, max_total_len, chunk_size
         self._chats: dict[str, ChatTokens] = {}
@@ -131,8 +132,10 @@ class _TurnRunner:
             ids = d.token_ids.tolist()
             if tools:
                 ids = self.chat(d).prompt_ids(messages, tools)
-            convs += [_Conversation(d, p, list(ids), list(messages), tools, prompt_messages=len(messages))
-                      for _ in range(self.sampling.n)]
+            convs += [
+                _Conversation(d, p, list(ids), list(messages), tools, prompt_messages=len(messages))
+                for _ in range(self.sampling.n)
+            ]
         return convs
 
     def generate(self, convs: list[_Conversation], first: bool) -> None:
@@ -140,8 +143,9 @@ class _TurnRunner:
         start = time.perf_counter()
         if first:
             n = self.sampling.n
-            results = generate_in_chunks(self.generator, [c.prompt_ids for c in convs[::n]], self.sampling,
-                                         self.chunk_size)
+            results = generate_in_chunks(
+                self.generator, [c.prompt_ids for c in convs[::n]], self.sampling, self.chunk_size
+            )
             for conv, res in zip(convs, results):
                 self._absorb(conv, res)
         else:
@@ -150,8 +154,9 @@ class _TurnRunner:
                 groups.setdefault(conv.stop_strings, []).append(conv)
             for stops, group in groups.items():
                 spec = replace(self.sampling, n=1, stop_strings=self.sampling.stop_strings if stops is None else stops)
-                results = generate_in_chunks(self.generator, [c.prompt_ids + c.response_ids for c in group], spec,
-                                             self.chunk_size)
+                results = generate_in_chunks(
+                    self.generator, [c.prompt_ids + c.response_ids for c in group], spec, self.chunk_size
+                )
                 for conv, res in zip(group, results):
                     self._absorb(conv, res, spec.stop_strings)
         with self._lock:
@@ -161,7 +166,7 @@ class _TurnRunner:
         text = res.text
         if res.finish_reason == "stop":  # the text is cut before a stop string its ids still hold
             full = self.tokenizer.decode(list(res.response_ids), skip_special_tokens=True)
-            tail = full[len(text):] if full.startswith(text) else ""
+            tail = full[len(text) :] if full.startswith(text) else ""
             text += next((s for s in (stops or self.sampling.stop_strings) if tail.startswith(s)), "")
         conv.add_generation(list(res.response_ids), list(res.response_logprobs), text, res.finish_reason)
 
@@ -169,8 +174,9 @@ class _TurnRunner:
         """Score `convs` and append each unfinished conversation's observation."""
         start = time.perf_counter()
         env = step_environments(self.envs, [c.datum for c in convs], [c.messages for c in convs])
-        for conv, reward, obs, done, meta, stop in zip(convs, env.rewards, env.observations, env.terminateds,
-                                                        env.metadata, env.stop_strings):
+        for conv, reward, obs, done, meta, stop in zip(
+            convs, env.rewards, env.observations, env.terminateds, env.metadata, env.stop_strings
+        ):
             conv.reward += reward
             conv.metadata = meta
             if meta.get("invalid_tool_calls"):  # this turn's calls were written wrong
@@ -218,17 +224,37 @@ class _TurnMetrics:
         return {k: v if k in self.counts else v / max(self.weights[k], 1) for k, v in self.sums.items()}
 
 
-def multi_turn_rollout(generator, envs: dict, datums: list, sampling, tokenizer, max_turns: int,
-                       max_total_len: int, chunk_size: int | None = None, per_sample: bool = False) -> RolloutResult:
+def multi_turn_rollout(
+    generator,
+    envs: dict,
+    datums: list,
+    sampling,
+    tokenizer,
+    max_turns: int,
+    max_total_len: int,
+    chunk_size: int | None = None,
+    per_sample: bool = False,
+) -> RolloutResult:
     runner = _TurnRunner(generator, envs, sampling, tokenizer, max_turns, max_total_len, chunk_size)
     convs = runner.conversations(datums)
     (_per_sample_turns if per_sample else _lockstep_turns)(runner, convs)
     rollouts = [
-        Rollout(prompt_index=c.prompt_index, prompt_ids=c.prompt_ids, response_ids=c.response_ids,
-                gen_logprobs=c.gen_logprobs, text=c.text, truncated=c.truncated, reward=c.reward,
-                loss_multiplier=float(c.datum.loss_multiplier), task_name=c.datum.task_name,
-                dataset_name=getattr(c.datum, "dataset_name", ""), env_metadata=c.metadata,
-                response_mask=c.response_mask, turns=c.turns, invalid_call_mask=c.invalid_call_mask())
+        Rollout(
+            prompt_index=c.prompt_index,
+            prompt_ids=c.prompt_ids,
+            response_ids=c.response_ids,
+            gen_logprobs=c.gen_logprobs,
+            text=c.text,
+            truncated=c.truncated,
+            reward=c.reward,
+            loss_multiplier=float(c.datum.loss_multiplier),
+            task_name=c.datum.task_name,
+            dataset_name=getattr(c.datum, "dataset_name", ""),
+            env_metadata=c.metadata,
+            response_mask=c.response_mask,
+            turns=c.turns,
+            invalid_call_mask=c.invalid_call_mask(),
+        )
         for c in convs
     ]
     metrics = runner.metrics.result()
@@ -252,7 +278,8 @@ def _per_sample_turns(runner: _TurnRunner, convs: list[_Conversation]) -> None:
     with ThreadPoolExecutor(max_workers=max(1, min(len(convs), 64)), thread_name_prefix="turn") as pool:
         # future -> (is a generation, its conversations); only this thread touches `pending`.
         pending: dict[Future, tuple[bool, list[_Conversation]]] = {
-            pool.submit(runner.step, [c]): (False, [c]) for c in convs}
+            pool.submit(runner.step, [c]): (False, [c]) for c in convs
+        }
         while pending:
             done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
             ready: list[_Conversation] = []
@@ -269,8 +296,10 @@ def _per_sample_turns(runner: _TurnRunner, convs: list[_Conversation]) -> None:
 
 def _conversation_metrics(runner: _TurnRunner, convs: list[_Conversation]) -> dict[str, float]:
     n = max(len(convs), 1)
-    metrics = {"turns_mean": sum(c.turns for c in convs) / n,
-               "rollout/turns_max": float(max((c.turns for c in convs), default=0))}
+    metrics = {
+        "turns_mean": sum(c.turns for c in convs) / n,
+        "rollout/turns_max": float(max((c.turns for c in convs), default=0)),
+    }
     calls = sum(v for k, v in runner.metrics.result().items() if k.endswith("/tool_calls"))
     if calls or any(c.tools for c in convs):
         metrics["rollout/calls_per_turn"] = calls / max(sum(c.turns for c in convs), 1)
@@ -278,9 +307,10 @@ def _conversation_metrics(runner: _TurnRunner, convs: list[_Conversation]) -> di
         metrics["rollout/env_markup_messages"] = float(runner.markup_messages)
     templated = [c for c in convs if c.templated]
     if templated:
-        drifts = [drift(c.prompt_ids + c.response_ids, runner.chat(c.datum).fresh_ids(c.messages, c.tools, c.prompt_messages))
-                  for c in templated]
+        drifts = [
+            drift(c.prompt_ids + c.response_ids, runner.chat(c.datum).fresh_ids(c.messages, c.tools, c.prompt_messages))
+            for c in templated
+        ]
         metrics["rollout/chat_drift_samples"] = float(sum(d > 0 for d in drifts))
         metrics["rollout/chat_drift_tokens_mean"] = sum(drifts) / len(drifts)
     return metrics
-

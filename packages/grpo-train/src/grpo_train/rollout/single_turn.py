@@ -27,8 +27,10 @@ def prompt_messages(datum, raw: bool = False) -> list[dict]:
     """The datum's message log as plain {"role", "content"} messages (no token ids); `raw`: each
     message's own text where a processor rendered it through the chat template (`raw_content`),
     for a render of the conversation again."""
-    return [{"role": m["role"], "content": m.get("raw_content", m["content"]) if raw else m["content"]}
-            for m in datum.message_log]
+    return [
+        {"role": m["role"], "content": m.get("raw_content", m["content"]) if raw else m["content"]}
+        for m in datum.message_log
+    ]
 
 
 @dataclass
@@ -72,13 +74,15 @@ def generate_in_chunks(generator, prompts: list, sampling: SamplingSpec, chunk_s
         return generator.generate(prompts, sampling)
     results = []
     for start in range(0, len(prompts), chunk_size):
-        for res in generator.generate(prompts[start:start + chunk_size], sampling):
+        for res in generator.generate(prompts[start : start + chunk_size], sampling):
             res.prompt_index += start
             results.append(res)
     return results
 
 
-def rollout(generator, envs: dict, datums: list, sampling: SamplingSpec, chunk_size: int | None = None) -> RolloutResult:
+def rollout(
+    generator, envs: dict, datums: list, sampling: SamplingSpec, chunk_size: int | None = None
+) -> RolloutResult:
     """Generate `sampling.n` responses per datum and score them (one turn)."""
     start = time.perf_counter()
     prompts = [d.token_ids.tolist() for d in datums]
@@ -92,10 +96,19 @@ def rollout(generator, envs: dict, datums: list, sampling: SamplingSpec, chunk_s
     rollouts = []
     for res, reward, meta in zip(results, env.rewards, env.metadata):
         datum = datums[res.prompt_index]
-        rollouts.append(Rollout(
-            prompt_index=res.prompt_index, prompt_ids=list(res.prompt_ids), response_ids=list(res.response_ids),
-            gen_logprobs=list(res.response_logprobs), text=res.text, truncated=res.finish_reason == "length",
-            reward=reward, loss_multiplier=float(datum.loss_multiplier), task_name=datum.task_name, dataset_name=getattr(datum, "dataset_name", ""), env_metadata=meta,
-        ))
+        rollouts.append(
+            Rollout(
+                prompt_index=res.prompt_index,
+                prompt_ids=list(res.prompt_ids),
+                response_ids=list(res.response_ids),
+                gen_logprobs=list(res.response_logprobs),
+                text=res.text,
+                truncated=res.finish_reason == "length",
+                reward=reward,
+                loss_multiplier=float(datum.loss_multiplier),
+                task_name=datum.task_name,
+                dataset_name=getattr(datum, "dataset_name", ""),
+                env_metadata=meta,
+            )
+        )
     return RolloutResult(rollouts, env.metrics, generate_s, reward_s)
-

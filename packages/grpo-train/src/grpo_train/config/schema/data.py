@@ -15,7 +15,6 @@ from grpo_train.config.schema.base import Section, section_of
 # grpo-data declares the keys of a dataset entry (grpo_data.config.DatasetEntry, torch-free);
 # this section takes its fields from there, and the values it refuses at their key path.
 if typing.TYPE_CHECKING:  # the static view of the same section (see loss._PGLossSection)
-
     # Both bases are frozen at run time; pyright reads Section's frozen from its model_config only.
     class _DatasetSection(Section, DatasetEntry): ...  # pyright: ignore[reportGeneralTypeIssues]
 else:
@@ -31,8 +30,11 @@ class DatasetConfig(_DatasetSection):
         try:
             DatasetEntry(**{k: getattr(self, k) for k in DATASET_KEYS})
         except DatasetKeyError as err:
-            detail = InitErrorDetails(type=PydanticCustomError("dataset_key", "{reason}", {"reason": err.reason}),
-                                      loc=(err.key,), input=getattr(self, err.key))
+            detail = InitErrorDetails(
+                type=PydanticCustomError("dataset_key", "{reason}", {"reason": err.reason}),
+                loc=(err.key,),
+                input=getattr(self, err.key),
+            )
             raise ValidationError.from_exception_data(type(self).__name__, [detail]) from None
         return self
 
@@ -54,8 +56,11 @@ class DataConfig(_DataSection):
         try:
             self.data_config()
         except DatasetKeyError as err:
-            detail = InitErrorDetails(type=PydanticCustomError("data_key", "{reason}", {"reason": err.reason}),
-                                      loc=(err.key,), input=getattr(self, err.key))
+            detail = InitErrorDetails(
+                type=PydanticCustomError("data_key", "{reason}", {"reason": err.reason}),
+                loc=(err.key,),
+                input=getattr(self, err.key),
+            )
             raise ValidationError.from_exception_data(type(self).__name__, [detail]) from None
         return self
 
@@ -65,8 +70,11 @@ class DataConfig(_DataSection):
         values["default"] = _entry(self.default)
         for part in ("train", "validation"):
             value = values[part]
-            values[part] = _entry(value) if isinstance(value, DatasetConfig) else (
-                None if value is None else [_entry(e) for e in value])
+            values[part] = (
+                _entry(value)
+                if isinstance(value, DatasetConfig)
+                else (None if value is None else [_entry(e) for e in value])
+            )
         return grpo_data.config.DataConfig(**values)
 
 

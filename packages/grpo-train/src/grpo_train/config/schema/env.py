@@ -39,8 +39,9 @@ class EnvConfig(Section):
     def _resource_names(cls, resources: dict[str, float] | None) -> dict[str, float] | None:
         for name, amount in (resources or {}).items():
             if name.lower() in ("num_cpus", "num_gpus", "cpu", "gpu") and name not in ENV_RESOURCE_NAMES:
-                raise ValueError(f"resource {name!r}: write {name.upper().removeprefix('NUM_').rstrip('S')!r} "
-                                 f"(Ray's resource name)")
+                raise ValueError(
+                    f"resource {name!r}: write {name.upper().removeprefix('NUM_').rstrip('S')!r} (Ray's resource name)"
+                )
             if amount < 0:
                 raise ValueError(f"resource {name!r}: {amount} is negative")
         return resources
@@ -50,6 +51,8 @@ class EnvConfig(Section):
         if self.class_ is not None and self.reward_fn is not None:
             raise ValueError("give either `class` (an Environment) or `reward_fn` (a function), not both")
         if self.reward_fn is not None and self.model_extra:
-            raise ValueError(f"a reward_fn environment takes no settings of its own; unknown key(s) "
-                             f"{', '.join(sorted(self.model_extra))}")
+            raise ValueError(
+                f"a reward_fn environment takes no settings of its own; unknown key(s) "
+                f"{', '.join(sorted(self.model_extra))}"
+            )
         return self

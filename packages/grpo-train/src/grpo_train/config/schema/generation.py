@@ -29,9 +29,12 @@ class VllmConfig(Section):
     def _no_pp_ep(cls, value: int, info: ValidationInfo) -> int:
         if value != 1:
             kind = "pipeline" if info.field_name == "pipeline_parallel_size" else "expert"
-            raise ValueError(f"{kind} parallelism of the vLLM engine is not implemented in this version; set 1 "
-                             f"(tensor_parallel_size splits an engine over GPUs when generation is not colocated)")
+            raise ValueError(
+                f"{kind} parallelism of the vLLM engine is not implemented in this version; set 1 "
+                f"(tensor_parallel_size splits an engine over GPUs when generation is not colocated)"
+            )
         return value
+
     gpu_memory_utilization: float = Field(default=0.6, gt=0, le=1)
     max_model_len: int = Field(default=512, ge=8)
     enforce_eager: bool = False

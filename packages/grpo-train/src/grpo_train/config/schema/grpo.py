@@ -26,8 +26,10 @@ class RewardShapingConfig(Section):
     @model_validator(mode="after")
     def _coef_needs_enabled(self) -> RewardShapingConfig:
         if self.stop_properly_penalty_coef is not None and not self.enabled:
-            raise ValueError("stop_properly_penalty_coef is set but reward_shaping.enabled is false; "
-                             "set enabled: true or remove the coefficient")
+            raise ValueError(
+                "stop_properly_penalty_coef is set but reward_shaping.enabled is false; "
+                "set enabled: true or remove the coefficient"
+            )
         return self
 
 
@@ -86,9 +88,11 @@ class RefitCheckConfig(Section):
 
 
 GroupEstimatorName = Literal["grpo", "gdpo", "reinforce_plus_plus"]
-ESTIMATOR_KEYS = {"grpo": {"normalize_rewards", "use_leave_one_out_baseline"},
-                  "gdpo": {"normalize_rewards", "use_leave_one_out_baseline", "reward_weights"},
-                  "reinforce_plus_plus": {"minus_baseline"}}
+ESTIMATOR_KEYS = {
+    "grpo": {"normalize_rewards", "use_leave_one_out_baseline"},
+    "gdpo": {"normalize_rewards", "use_leave_one_out_baseline", "reward_weights"},
+    "reinforce_plus_plus": {"minus_baseline"},
+}
 """The adv_estimator keys each estimator reads; the others are refused."""
 
 
@@ -183,15 +187,19 @@ class GRPOConfig(Section):
     @model_validator(mode="after")
     def _per_sample_turns(self) -> GRPOConfig:
         if self.per_sample_turns and self.max_rollout_turns == 1:
-            raise ValueError("grpo.per_sample_turns: true needs grpo.max_rollout_turns > 1 (one turn has no later "
-                             "turns to schedule); remove it or raise max_rollout_turns")
+            raise ValueError(
+                "grpo.per_sample_turns: true needs grpo.max_rollout_turns > 1 (one turn has no later "
+                "turns to schedule); remove it or raise max_rollout_turns"
+            )
         return self
 
     @model_validator(mode="after")
     def _invalid_tool_call_advantage(self) -> GRPOConfig:
         if self.invalid_tool_call_advantage is not None and self.max_rollout_turns == 1:
-            raise ValueError("grpo.invalid_tool_call_advantage needs grpo.max_rollout_turns > 1 (tool calls are run "
-                             "and judged only between turns); remove it or raise max_rollout_turns")
+            raise ValueError(
+                "grpo.invalid_tool_call_advantage needs grpo.max_rollout_turns > 1 (tool calls are run "
+                "and judged only between turns); remove it or raise max_rollout_turns"
+            )
         return self
 
     @model_validator(mode="after")
@@ -201,18 +209,23 @@ class GRPOConfig(Section):
             raise ValueError(f"advantage_clip_low ({lo}) must not exceed advantage_clip_high ({hi})")
         est = self.adv_estimator
         if est.name == "gdpo" and (self.reward_scaling.enabled or self.reward_shaping.enabled):
-            raise ValueError("grpo.adv_estimator.name 'gdpo' normalises the environment's reward components, which "
-                             "grpo.reward_scaling / grpo.reward_shaping do not touch; disable them")
+            raise ValueError(
+                "grpo.adv_estimator.name 'gdpo' normalises the environment's reward components, which "
+                "grpo.reward_scaling / grpo.reward_shaping do not touch; disable them"
+            )
         for key in ("normalize_rewards", "use_leave_one_out_baseline"):
             mine = getattr(est, key)
             if mine is not None and key in self.model_fields_set and mine != getattr(self, key):
-                raise ValueError(f"grpo.{key} ({getattr(self, key)}) and grpo.adv_estimator.{key} ({mine}) disagree; "
-                                 f"set one of them")
+                raise ValueError(
+                    f"grpo.{key} ({getattr(self, key)}) and grpo.adv_estimator.{key} ({mine}) disagree; set one of them"
+                )
             # A parent config may spell out the default (grpo_math_1B.yaml does); a changed value would do nothing.
             changed = getattr(self, key) != type(self).model_fields[key].default
             if est.name == "reinforce_plus_plus" and key in self.model_fields_set and changed:
-                raise ValueError(f"grpo.{key}: {getattr(self, key)} does not apply to grpo.adv_estimator.name "
-                                 f"'reinforce_plus_plus' (it whitens over the batch); remove it")
+                raise ValueError(
+                    f"grpo.{key}: {getattr(self, key)} does not apply to grpo.adv_estimator.name "
+                    f"'reinforce_plus_plus' (it whitens over the batch); remove it"
+                )
         return self
 
     @property

@@ -14,7 +14,6 @@ from grpo_train.config.schema.base import Section, section_of
 # docstring); this section takes its fields from there, and the op refuses bad values at config
 # time through `_loss_options` below. grpo-kernels stays free of pydantic; its config is torch-free.
 if typing.TYPE_CHECKING:  # the static view of the same section: the op config's fields on a Section
-
     # Both bases are frozen at run time; pyright reads Section's frozen from its model_config only.
     class _PGLossSection(Section, PGLossConfig): ...  # pyright: ignore[reportGeneralTypeIssues]
 else:
@@ -57,8 +56,11 @@ class LossConfig(_PGLossSection):
         try:
             PGLossConfig(**{k: getattr(self, k) for k in PGLossConfig.__dataclass_fields__})
         except LossOptionError as err:
-            detail = InitErrorDetails(type=PydanticCustomError("loss_option", "{reason}", {"reason": err.reason}),
-                                      loc=(err.field,), input=getattr(self, err.field))
+            detail = InitErrorDetails(
+                type=PydanticCustomError("loss_option", "{reason}", {"reason": err.reason}),
+                loc=(err.field,),
+                input=getattr(self, err.field),
+            )
             raise ValidationError.from_exception_data(type(self).__name__, [detail]) from None
         return self
 
@@ -66,11 +68,15 @@ class LossConfig(_PGLossSection):
     @classmethod
     def _kl_in_reward_needs_beta(cls, on: bool, info: ValidationInfo) -> bool:
         if on and info.data.get("reference_policy_kl_penalty") == 0:
-            raise ValueError("the in-reward KL coefficient is loss_fn.reference_policy_kl_penalty, which is 0; "
-                             "set it > 0 or turn use_kl_in_reward off")
+            raise ValueError(
+                "the in-reward KL coefficient is loss_fn.reference_policy_kl_penalty, which is 0; "
+                "set it > 0 or turn use_kl_in_reward off"
+            )
         if on and info.data.get("use_on_policy_kl_approximation"):
-            raise ValueError("use_on_policy_kl_approximation weights the loss's KL term, which use_kl_in_reward "
-                             "turns off; set one of them")
+            raise ValueError(
+                "use_on_policy_kl_approximation weights the loss's KL term, which use_kl_in_reward "
+                "turns off; set one of them"
+            )
         return on
 
     @property

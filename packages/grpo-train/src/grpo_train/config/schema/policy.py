@@ -65,11 +65,15 @@ class LoRAConfig(Section):
     @model_validator(mode="after")
     def _one_selection(self) -> LoRAConfig:
         if self.target_modules and self.match_all_linear:
-            raise ValueError("target_modules is set but match_all_linear: true adapts every linear layer; "
-                             "set match_all_linear: false to adapt only target_modules")
+            raise ValueError(
+                "target_modules is set but match_all_linear: true adapts every linear layer; "
+                "set match_all_linear: false to adapt only target_modules"
+            )
         if not self.target_modules and not self.match_all_linear:
-            raise ValueError("match_all_linear: false and no target_modules: no layer would get an adapter; "
-                             "set target_modules or match_all_linear: true")
+            raise ValueError(
+                "match_all_linear: false and no target_modules: no layer would get an adapter; "
+                "set target_modules or match_all_linear: true"
+            )
         return self
 
 
@@ -110,29 +114,38 @@ class DTensorConfig(Section):
         if value == 1:
             return value
         if info.data.get("tensor_parallel_size", 1) > 1:
-            raise ValueError("context parallelism with tensor_parallel_size > 1 is not supported (untested); "
-                             "set one of them to 1")
+            raise ValueError(
+                "context parallelism with tensor_parallel_size > 1 is not supported (untested); set one of them to 1"
+            )
         if info.data.get("enabled") is not False:
-            raise ValueError("context parallelism with FSDP2 is not supported (untested): set "
-                             "policy.dtensor_cfg.enabled: false (full replicas, gradients summed over cp and dp)")
+            raise ValueError(
+                "context parallelism with FSDP2 is not supported (untested): set "
+                "policy.dtensor_cfg.enabled: false (full replicas, gradients summed over cp and dp)"
+            )
         if info.data.get("activation_checkpointing"):
-            raise ValueError("context parallelism with activation_checkpointing: the recomputed forward would run "
-                             "outside the ring; set activation_checkpointing: false")
+            raise ValueError(
+                "context parallelism with activation_checkpointing: the recomputed forward would run "
+                "outside the ring; set activation_checkpointing: false"
+            )
         return value
 
     @model_validator(mode="after")
     def _context_parallel_without_lora(self) -> DTensorConfig:
         if self.context_parallel_size > 1 and self.lora_cfg.enabled:
-            raise ValueError("policy.dtensor_cfg.context_parallel_size > 1 with lora_cfg.enabled is not supported "
-                             "(untested); set context_parallel_size 1")
+            raise ValueError(
+                "policy.dtensor_cfg.context_parallel_size > 1 with lora_cfg.enabled is not supported "
+                "(untested); set context_parallel_size 1"
+            )
         return self
 
     @field_validator("sequence_parallel")
     @classmethod
     def _sequence_parallel_needs_tp(cls, value: bool, info: ValidationInfo) -> bool:
         if value and info.data.get("tensor_parallel_size", 1) == 1:
-            raise ValueError("sequence parallelism shards over the tensor-parallel ranks: it needs "
-                             "policy.dtensor_cfg.tensor_parallel_size > 1; set false")
+            raise ValueError(
+                "sequence parallelism shards over the tensor-parallel ranks: it needs "
+                "policy.dtensor_cfg.tensor_parallel_size > 1; set false"
+            )
         return value
 
     @field_validator("custom_parallel_plan")
@@ -141,7 +154,9 @@ class DTensorConfig(Section):
         if value is None:
             return value
         if info.data.get("tensor_parallel_size", 1) == 1:
-            raise ValueError("a custom tensor-parallel plan needs policy.dtensor_cfg.tensor_parallel_size > 1; set null")
+            raise ValueError(
+                "a custom tensor-parallel plan needs policy.dtensor_cfg.tensor_parallel_size > 1; set null"
+            )
         module, _, attr = value.partition(":")
         if not module or not attr:
             raise ValueError(f"{value!r}: expected 'module:object'")
@@ -167,7 +182,9 @@ class SequencePackingConfig(MicroBatchingConfig):
     """Sequence packing: rows bin-packed into streams of at most the budget, attention kept
     within each sequence (grpo_train.policy.microbatch and policy.logprobs)."""
 
-    algorithm: Literal["modified_first_fit_decreasing", "first_fit_decreasing", "best_fit_decreasing"] = "modified_first_fit_decreasing"
+    algorithm: Literal["modified_first_fit_decreasing", "first_fit_decreasing", "best_fit_decreasing"] = (
+        "modified_first_fit_decreasing"
+    )
     """Bin-packing algorithm (grpo_kernels.packing)."""
 
 
@@ -236,15 +253,21 @@ class PolicyConfig(Section):
         if not (lora.enabled and lora.refit == "adapter"):
             return self
         if self.generation.backend != "vllm":
-            raise ValueError(f"policy.dtensor_cfg.lora_cfg.refit: adapter needs policy.generation.backend: vllm (the "
-                             f"{self.generation.backend!r} generator loads full weights only); set refit: merged")
+            raise ValueError(
+                f"policy.dtensor_cfg.lora_cfg.refit: adapter needs policy.generation.backend: vllm (the "
+                f"{self.generation.backend!r} generator loads full weights only); set refit: merged"
+            )
         if self.generation.weight_transport in ("collective", "ipc"):
-            raise ValueError(f"policy.generation.weight_transport: {self.generation.weight_transport!r} with "
-                             "lora_cfg.refit: adapter; the adapters (a few MiB) go through Ray's object store: set "
-                             "auto or object_store")
+            raise ValueError(
+                f"policy.generation.weight_transport: {self.generation.weight_transport!r} with "
+                "lora_cfg.refit: adapter; the adapters (a few MiB) go through Ray's object store: set "
+                "auto or object_store"
+            )
         if lora.dim > VLLM_MAX_LORA_RANKS[-1]:
-            raise ValueError(f"policy.dtensor_cfg.lora_cfg.dim: {lora.dim} with refit: adapter exceeds vLLM's largest "
-                             f"max_lora_rank ({VLLM_MAX_LORA_RANKS[-1]}); set a smaller dim or refit: merged")
+            raise ValueError(
+                f"policy.dtensor_cfg.lora_cfg.dim: {lora.dim} with refit: adapter exceeds vLLM's largest "
+                f"max_lora_rank ({VLLM_MAX_LORA_RANKS[-1]}); set a smaller dim or refit: merged"
+            )
         return self
 
     @model_validator(mode="after")
@@ -255,11 +278,15 @@ class PolicyConfig(Section):
             self._check_context_parallel(cp)
         tp = self.dtensor_cfg.tensor_parallel_size
         if self.num_workers % tp:
-            raise ValueError(f"policy.dtensor_cfg.tensor_parallel_size ({tp}) must divide policy.num_workers "
-                             f"({self.num_workers}): the ranks form a (num_workers / tp) x tp mesh")
+            raise ValueError(
+                f"policy.dtensor_cfg.tensor_parallel_size ({tp}) must divide policy.num_workers "
+                f"({self.num_workers}): the ranks form a (num_workers / tp) x tp mesh"
+            )
         if tp > 1 and self.dtensor_cfg.lora_cfg.enabled:
-            raise ValueError("policy.dtensor_cfg.tensor_parallel_size > 1 with lora_cfg.enabled: LoRA adapters on "
-                             "tensor-parallel layers are not supported; set tensor_parallel_size 1")
+            raise ValueError(
+                "policy.dtensor_cfg.tensor_parallel_size > 1 with lora_cfg.enabled: LoRA adapters on "
+                "tensor-parallel layers are not supported; set tensor_parallel_size 1"
+            )
         if tp > 1 and self.train_global_batch_size % (self.num_workers // tp):
             raise ValueError(
                 f"policy.train_global_batch_size ({self.train_global_batch_size}) must be a multiple of the "
@@ -280,16 +307,24 @@ class PolicyConfig(Section):
 
     def _check_context_parallel(self, cp: int) -> None:
         if self.num_workers % cp:
-            raise ValueError(f"policy.dtensor_cfg.context_parallel_size ({cp}) must divide policy.num_workers "
-                             f"({self.num_workers}): the ranks form a (num_workers / cp) x cp mesh")
+            raise ValueError(
+                f"policy.dtensor_cfg.context_parallel_size ({cp}) must divide policy.num_workers "
+                f"({self.num_workers}): the ranks form a (num_workers / cp) x cp mesh"
+            )
         if self.train_global_batch_size % (self.num_workers // cp):
-            raise ValueError(f"policy.train_global_batch_size ({self.train_global_batch_size}) must be a multiple of "
-                             f"the data-parallel size policy.num_workers / context_parallel_size "
-                             f"({self.num_workers // cp})")
+            raise ValueError(
+                f"policy.train_global_batch_size ({self.train_global_batch_size}) must be a multiple of "
+                f"the data-parallel size policy.num_workers / context_parallel_size "
+                f"({self.num_workers // cp})"
+            )
         if self.sequence_packing.enabled:
-            raise ValueError("policy.sequence_packing with policy.dtensor_cfg.context_parallel_size > 1: packed "
-                             "(varlen) attention is not ring-sharded; disable sequence_packing or set "
-                             "context_parallel_size 1")
+            raise ValueError(
+                "policy.sequence_packing with policy.dtensor_cfg.context_parallel_size > 1: packed "
+                "(varlen) attention is not ring-sharded; disable sequence_packing or set "
+                "context_parallel_size 1"
+            )
         if self.moe_aux_loss_coeff > 0:
-            raise ValueError("policy.moe_aux_loss_coeff > 0 with policy.dtensor_cfg.context_parallel_size > 1 is not "
-                             "supported (the router loss would see one cp shard's tokens); set one of them to 0 / 1")
+            raise ValueError(
+                "policy.moe_aux_loss_coeff > 0 with policy.dtensor_cfg.context_parallel_size > 1 is not "
+                "supported (the router loss would see one cp shard's tokens); set one of them to 0 / 1"
+            )

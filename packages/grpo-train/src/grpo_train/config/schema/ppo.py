@@ -39,7 +39,9 @@ class AdvEstimatorConfig(Section):
     @classmethod
     def _not_group_relative(cls, name: Any) -> Any:
         if name in GROUP_RELATIVE_ESTIMATORS:
-            raise ValueError(f"{name!r} is group-relative; use GRPO (remove the ppo section) or choose gae / raw_reward")
+            raise ValueError(
+                f"{name!r} is group-relative; use GRPO (remove the ppo section) or choose gae / raw_reward"
+            )
         return name
 
 
@@ -59,9 +61,11 @@ class PPOConfig(Section):
     @classmethod
     def _kl_in_reward_moved(cls, data: Any) -> Any:
         if isinstance(data, dict) and ("use_kl_in_reward" in data or "kl_in_reward_coef" in data):
-            raise ValueError("ppo.use_kl_in_reward / ppo.kl_in_reward_coef were replaced by loss_fn.use_kl_in_reward "
-                             "(NeMo RL's key): the KL moves from the loss into the token rewards with coefficient "
-                             "loss_fn.reference_policy_kl_penalty and estimator loss_fn.reference_policy_kl_type")
+            raise ValueError(
+                "ppo.use_kl_in_reward / ppo.kl_in_reward_coef were replaced by loss_fn.use_kl_in_reward "
+                "(NeMo RL's key): the KL moves from the loss into the token rewards with coefficient "
+                "loss_fn.reference_policy_kl_penalty and estimator loss_fn.reference_policy_kl_type"
+            )
         return data
 
 
@@ -90,7 +94,9 @@ class ValueConfig(Section):
     """As policy.dynamic_batching; logprob_mb_tokens budgets the rollout-time values pass."""
     sequence_packing: SequencePackingConfig = SequencePackingConfig()
     """As policy.sequence_packing; logprob_mb_tokens budgets the rollout-time values pass."""
-    optimizer: OptimizerConfig = OptimizerConfig(kwargs={"lr": 1e-5, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8})
+    optimizer: OptimizerConfig = OptimizerConfig(
+        kwargs={"lr": 1e-5, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8}
+    )
     scheduler: list[SchedulerEntry] = []
     lora_cfg: LoRAConfig = LoRAConfig()
     """LoRA adapters (peft) on the value model's backbone, keys as policy.dtensor_cfg.lora_cfg: only the
@@ -101,23 +107,31 @@ class ValueConfig(Section):
     @classmethod
     def _value_lora_has_no_refit(cls, value: LoRAConfig) -> LoRAConfig:
         if "refit" in value.model_fields_set:
-            raise ValueError("value.lora_cfg.refit: the value model is never pushed to a generation engine; "
-                             "set it only under policy.dtensor_cfg.lora_cfg")
+            raise ValueError(
+                "value.lora_cfg.refit: the value model is never pushed to a generation engine; "
+                "set it only under policy.dtensor_cfg.lora_cfg"
+            )
         return value
 
     @model_validator(mode="before")
     @classmethod
     def _no_num_gpus(cls, data: Any) -> Any:
         if isinstance(data, dict) and "num_gpus" in data:
-            raise ValueError("value.num_gpus was replaced by value.num_workers: each value rank takes one GPU from "
-                             "the cluster when cluster.gpus_per_node > 0 (and one CPU otherwise)")
+            raise ValueError(
+                "value.num_gpus was replaced by value.num_workers: each value rank takes one GPU from "
+                "the cluster when cluster.gpus_per_node > 0 (and one CPU otherwise)"
+            )
         return data
 
     @model_validator(mode="after")
     def _batching(self) -> ValueConfig:
         if self.dynamic_batching.enabled and self.sequence_packing.enabled:
-            raise ValueError("value.dynamic_batching and value.sequence_packing are mutually exclusive: enable at most one")
+            raise ValueError(
+                "value.dynamic_batching and value.sequence_packing are mutually exclusive: enable at most one"
+            )
         if self.train_global_batch_size is not None and self.train_global_batch_size % self.train_micro_batch_size:
-            raise ValueError(f"train_global_batch_size ({self.train_global_batch_size}) must be a multiple of "
-                             f"train_micro_batch_size ({self.train_micro_batch_size})")
+            raise ValueError(
+                f"train_global_batch_size ({self.train_global_batch_size}) must be a multiple of "
+                f"train_micro_batch_size ({self.train_micro_batch_size})"
+            )
         return self

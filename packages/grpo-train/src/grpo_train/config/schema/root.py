@@ -62,8 +62,10 @@ class GRPOMasterConfig(Section):
                 f"policy.train_global_batch_size ({self.policy.train_global_batch_size})"
             )
         if self.policy.generation.vllm_cfg.async_engine and not self.grpo.async_grpo.enabled:
-            raise ValueError("policy.generation.vllm_cfg.async_engine: the async engine runs only with async GRPO; set "
-                             "false, or set grpo.async_grpo.enabled: true")
+            raise ValueError(
+                "policy.generation.vllm_cfg.async_engine: the async engine runs only with async GRPO; set "
+                "false, or set grpo.async_grpo.enabled: true"
+            )
         if self.grpo.async_grpo.enabled:
             if not self.loss_fn.use_importance_sampling_correction:
                 raise ValueError("grpo.async_grpo requires loss_fn.use_importance_sampling_correction: true")
@@ -72,17 +74,23 @@ class GRPOMasterConfig(Section):
             if self.policy.generation.colocated.enabled and self.cluster.gpus_per_node > 0:
                 raise ValueError("grpo.async_grpo needs policy.generation.colocated.enabled: false on GPUs")
             if self.policy.generation.backend != "vllm":
-                raise ValueError(f"grpo.async_grpo needs policy.generation.backend: vllm (its async engine generates "
-                                 f"ahead of training), got {self.policy.generation.backend!r}")
+                raise ValueError(
+                    f"grpo.async_grpo needs policy.generation.backend: vllm (its async engine generates "
+                    f"ahead of training), got {self.policy.generation.backend!r}"
+                )
             lora = self.policy.dtensor_cfg.lora_cfg
             if lora.enabled and lora.refit == "adapter":
-                raise ValueError("grpo.async_grpo with policy.dtensor_cfg.lora_cfg.refit: adapter is not supported (the "
-                                 "async engine's in-flight updates would need each request to keep its adapter id and "
-                                 "folder until it ends); set refit: merged or grpo.async_grpo.enabled: false")
+                raise ValueError(
+                    "grpo.async_grpo with policy.dtensor_cfg.lora_cfg.refit: adapter is not supported (the "
+                    "async engine's in-flight updates would need each request to keep its adapter id and "
+                    "folder until it ends); set refit: merged or grpo.async_grpo.enabled: false"
+                )
             if self.policy.generation.weight_transport == "ipc":
-                raise ValueError("grpo.async_grpo: policy.generation.weight_transport 'ipc' needs engines colocated on "
-                                 "the trainer's GPUs, which async GRPO does not run; use 'collective', 'object_store' "
-                                 "or 'auto'")
+                raise ValueError(
+                    "grpo.async_grpo: policy.generation.weight_transport 'ipc' needs engines colocated on "
+                    "the trainer's GPUs, which async GRPO does not run; use 'collective', 'object_store' "
+                    "or 'auto'"
+                )
         return self
 
     @model_validator(mode="after")
@@ -95,7 +103,8 @@ class GRPOMasterConfig(Section):
             raise ValueError(
                 f"loss_fn.force_on_policy_ratio sets the ratio to 1, exact only for one optimizer step per rollout: "
                 f"needs grpo.num_prompts_per_step * grpo.num_generations_per_prompt ({samples}) == "
-                f"policy.train_global_batch_size ({self.policy.train_global_batch_size}) and ppo.ppo_epochs 1")
+                f"policy.train_global_batch_size ({self.policy.train_global_batch_size}) and ppo.ppo_epochs 1"
+            )
         return self
 
     def _check_ppo(self, value: ValueConfig) -> None:
@@ -104,22 +113,32 @@ class GRPOMasterConfig(Section):
         if self.grpo.async_grpo.enabled:
             raise ValueError("grpo.async_grpo: PPO runs synchronously; set grpo.async_grpo.enabled: false")
         if self.grpo.invalid_tool_call_advantage is not None:
-            raise ValueError("grpo.invalid_tool_call_advantage replaces GRPO's advantages; PPO's come from GAE and do "
-                             "not take it: remove it (the env's invalid_call_penalty works with PPO)")
+            raise ValueError(
+                "grpo.invalid_tool_call_advantage replaces GRPO's advantages; PPO's come from GAE and do "
+                "not take it: remove it (the env's invalid_call_penalty works with PPO)"
+            )
         if self.grpo.use_dynamic_sampling and self.grpo.num_generations_per_prompt < 2:
-            raise ValueError("grpo.use_dynamic_sampling keeps prompts whose samples differ in reward; with PPO it "
-                             "needs grpo.num_generations_per_prompt >= 2")
+            raise ValueError(
+                "grpo.use_dynamic_sampling keeps prompts whose samples differ in reward; with PPO it "
+                "needs grpo.num_generations_per_prompt >= 2"
+            )
         samples = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
         value_batch = value.train_global_batch_size or self.policy.train_global_batch_size
         if samples % value_batch:
-            raise ValueError(f"grpo.num_prompts_per_step * grpo.num_generations_per_prompt ({samples}) must be a "
-                             f"multiple of value.train_global_batch_size ({value_batch})")
+            raise ValueError(
+                f"grpo.num_prompts_per_step * grpo.num_generations_per_prompt ({samples}) must be a "
+                f"multiple of value.train_global_batch_size ({value_batch})"
+            )
         if value_batch % value.train_micro_batch_size:
-            raise ValueError(f"value.train_global_batch_size ({value_batch}) must be a multiple of "
-                             f"value.train_micro_batch_size ({value.train_micro_batch_size})")
+            raise ValueError(
+                f"value.train_global_batch_size ({value_batch}) must be a multiple of "
+                f"value.train_micro_batch_size ({value.train_micro_batch_size})"
+            )
         if value_batch % value.num_workers:
-            raise ValueError(f"value.train_global_batch_size ({value_batch}) must be a multiple of value.num_workers "
-                             f"({value.num_workers}): each value optimizer step splits evenly over the workers")
+            raise ValueError(
+                f"value.train_global_batch_size ({value_batch}) must be a multiple of value.num_workers "
+                f"({value.num_workers}): each value optimizer step splits evenly over the workers"
+            )
         self._check_ppo_gpus(value)
         self._check_ppo_local_cpus(value)
 
@@ -133,7 +152,8 @@ class GRPOMasterConfig(Section):
             raise ValueError(
                 f"policy.num_workers ({self.policy.num_workers}) + value.num_workers ({value.num_workers}) + 1 "
                 f"generation engine = {wanted} CPUs, but cluster.num_cpus is {cluster.num_cpus}; lower the workers "
-                f"or raise cluster.num_cpus")
+                f"or raise cluster.num_cpus"
+            )
 
     def _check_ppo_gpus(self, value: ValueConfig) -> None:
         """On GPUs every policy rank, separate generation GPU and value rank takes a GPU of its own."""
@@ -147,4 +167,5 @@ class GRPOMasterConfig(Section):
             raise ValueError(
                 f"policy.num_workers ({self.policy.num_workers}) + policy.generation.colocated.resources GPUs "
                 f"({generation}) + value.num_workers ({value.num_workers}) = {wanted} GPUs, but the cluster has "
-                f"cluster.gpus_per_node * cluster.num_nodes = {have}; lower one of them or add GPUs")
+                f"cluster.gpus_per_node * cluster.num_nodes = {have}; lower one of them or add GPUs"
+            )

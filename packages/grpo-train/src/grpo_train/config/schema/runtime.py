@@ -67,8 +67,10 @@ class CheckpointingConfig(Section):
     @model_validator(mode="after")
     def _deadline_saves(self) -> CheckpointingConfig:
         if self.checkpoint_must_save_by is not None and not self.enabled:
-            raise ValueError("checkpoint_must_save_by saves a checkpoint before the budget ends; it needs "
-                             "checkpointing.enabled: true (or set checkpoint_must_save_by: null)")
+            raise ValueError(
+                "checkpoint_must_save_by saves a checkpoint before the budget ends; it needs "
+                "checkpointing.enabled: true (or set checkpoint_must_save_by: null)"
+            )
         return self
 
 
@@ -80,8 +82,8 @@ def parse_duration(text: str) -> float:
     except ValueError:
         numbers = []
     if not 1 <= len(parts) <= 4 or len(numbers) != len(parts) or any(n < 0 for n in numbers):
-        raise ValueError(f"expected a duration \"DD:HH:MM:SS\" or \"HH:MM:SS\", got {text!r}")
+        raise ValueError(f'expected a duration "DD:HH:MM:SS" or "HH:MM:SS", got {text!r}')
     seconds = 0.0
-    for unit, n in zip((86400, 3600, 60, 1)[-len(numbers):], numbers):
+    for unit, n in zip((86400, 3600, 60, 1)[-len(numbers) :], numbers):
         seconds += unit * n
     return seconds
