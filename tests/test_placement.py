@@ -81,7 +81,6 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group_table
 from grpo_train import placement
 from grpo_train.config import validate_config_dict
-from grpo_train.generation.group import engines_of
 from grpo_train.placement import PlacementProbe
 from grpo_train.policy.group import PolicyGroup
 from grpo_train.ppo.value_group import ValueGroup
@@ -101,7 +100,7 @@ def run_case(cfg, names):
     policy = PolicyGroup(model, cfg.policy, cfg.loss_fn, cfg.cluster, 0,
                          colocated_generation=cfg.policy.generation.colocated.enabled, start=False)
     actors = {f"policy {r}": w for r, w in enumerate(policy.workers)}
-    actors |= {f"engine {e}": h for e, h in enumerate(engines_of(start_generator(cfg, model, policy)))}
+    actors |= {f"engine {e}": h for e, h in enumerate(start_generator(cfg, model, policy).engines)}
     if cfg.ppo is not None:
         value = ValueGroup(model, cfg.value, cfg.value_loss_fn, cfg.cluster, 4, 0, start=False)
         actors |= {f"value {r}": w for r, w in enumerate(value.workers)}
